@@ -1,0 +1,1 @@
+"""Compaction strategies and the summarizer they call."""

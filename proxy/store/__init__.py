@@ -1,0 +1,1 @@
+"""Summary store: pay for each summary once, keep the forwarded prefix stable."""

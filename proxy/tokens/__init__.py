@@ -1,0 +1,1 @@
+"""Prompt token counting that matches what OpenAI bills."""
