@@ -1,0 +1,102 @@
+"""create_app(settings) -> the Starlette app. Routes, shared state and lifespan live here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from proxy.chat import chat_completions
+from proxy.compactor import Compactor, PromptCounter
+from proxy.errors import error_response
+from proxy.passthrough import passthrough
+from proxy.settings import Settings
+from proxy.state import ProxyState
+from proxy.tokens import TokenCounter
+from proxy.transport import create_upstream_client
+from proxy.upstream import Upstream
+
+log = logging.getLogger("proxy.app")
+
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+def create_app(
+    settings: Settings | None = None, *, counter: PromptCounter | None = None
+) -> Starlette:
+    """Build the app and everything it holds; nothing here touches the network.
+
+    Usable in-process (`httpx.ASGITransport(app)`, no lifespan needed) or served by uvicorn,
+    whose lifespan closes the pooled client on shutdown. Raises TokenizerUnavailable when
+    the tokenizer files cannot be loaded (and `tokenizer.on_missing = "fail"`).
+    """
+    settings = settings or Settings()
+    if counter is None:
+        token_counter = TokenCounter(settings)
+        token_counter.load()
+        counter = token_counter
+    client = create_upstream_client(settings.upstream)
+    state = ProxyState(
+        settings=settings,
+        upstream=Upstream(client, settings.upstream),
+        counter=counter,
+        compactor=Compactor(settings, counter),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        log.info("proxying to %s", settings.upstream.base_url)
+        try:
+            yield
+        finally:
+            await client.aclose()
+            counter.close()
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET", "HEAD"]),
+            Route("/readyz", readyz, methods=["GET", "HEAD"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
+            Route("/{path:path}", not_found, methods=ALL_METHODS),
+        ],
+        exception_handlers={Exception: internal_error},
+        lifespan=lifespan,
+    )
+    app.state.proxy = state
+    return app
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    if state.upstream.client.is_closed:
+        return JSONResponse({"status": "closed"}, status_code=503)
+    return JSONResponse({"status": "ready", "upstream": state.upstream.host})
+
+
+async def not_found(request: Request) -> Response:
+    return error_response(
+        404,
+        f"Unknown path {request.url.path!r}: this proxy serves the OpenAI API under /v1/ "
+        "(set your client's base URL to http://HOST:PORT/v1).",
+        code="unknown_url",
+    )
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(
+        500,
+        "The proxy hit an internal error; see its log.",
+        type="server_error",
+        code="internal_error",
+    )

@@ -1,0 +1,107 @@
+"""POST /v1/chat/completions: the request path, top to bottom.
+
+read body -> check it -> count its tokens -> compaction step -> forward -> relay the reply.
+Each step is a call into the module that owns it; this file is only the order of things.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.compactor import Control
+from proxy.disconnect import cancel_on_disconnect
+from proxy.errors import ClientDisconnected, ProxyError, bad_request
+from proxy.headers import credential_of, request_id_of, upstream_request_headers
+from proxy.report import Outcome
+from proxy.state import ProxyState
+from proxy.validation import parse_chat_body, read_body
+
+log = logging.getLogger("proxy.chat")
+
+
+async def chat_completions(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    started = time.perf_counter()
+    client_headers = [
+        (k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]
+    ]
+    request_id = request_id_of(client_headers)
+    outcome = Outcome()
+    try:
+        raw = await read_body(request, state.settings.server.max_body_bytes)
+        body = parse_chat_body(raw)
+        control = parse_control(request)
+        outcome = await cancel_on_disconnect(
+            request.receive,
+            lambda: state.compactor.run(
+                body,
+                control,
+                credential=credential_of(client_headers),
+                request_id=request_id,
+            ),
+        )
+        content = raw if outcome.messages is None else reencode(body, outcome.messages)
+        headers = upstream_request_headers(
+            client_headers, request_id=request_id, api_key=state.upstream.api_key
+        )
+        overhead_ms = (time.perf_counter() - started) * 1000
+        response = await cancel_on_disconnect(
+            request.receive,
+            lambda: state.upstream.open(
+                "POST",
+                "chat/completions",
+                headers=headers,
+                content=content,
+                query=request.scope.get("query_string", b""),
+            ),
+        )
+    except ProxyError as exc:
+        return exc.response(_response_headers(outcome, started, request_id))
+    except ClientDisconnected:
+        log.info("client disconnected before the upstream answered request_id=%s", request_id)
+        return Response(status_code=499)
+    extra = outcome.headers(overhead_ms)
+    if "x-request-id" not in response.headers:
+        extra["x-request-id"] = request_id
+    return state.upstream.relay(response, extra)
+
+
+def _response_headers(outcome: Outcome, started: float, request_id: str) -> dict[str, str]:
+    headers = outcome.headers((time.perf_counter() - started) * 1000)
+    headers["x-request-id"] = request_id
+    return headers
+
+
+def parse_control(request: Request) -> Control:
+    """The per-request control headers: `x-compaction: off|force|auto`, `x-compaction-budget: N`."""
+    mode = request.headers.get("x-compaction", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "off", "force"):
+        raise bad_request(
+            f"Invalid x-compaction header {mode!r}: expected 'auto', 'off' or 'force'.",
+            param="x-compaction",
+            code="invalid_header",
+        )
+    budget: int | None = None
+    raw_budget = request.headers.get("x-compaction-budget")
+    if raw_budget is not None:
+        if not raw_budget.strip().isdigit() or int(raw_budget) <= 0:
+            raise bad_request(
+                f"Invalid x-compaction-budget header {raw_budget!r}: expected a positive integer.",
+                param="x-compaction-budget",
+                code="invalid_header",
+            )
+        budget = int(raw_budget)
+    return Control(mode=mode, budget=budget)  # type: ignore[arg-type]
+
+
+def reencode(body: dict[str, Any], messages: list[Any]) -> bytes:
+    """The client's body with only `messages` replaced; every other field kept as sent."""
+    return json.dumps(
+        {**body, "messages": messages}, ensure_ascii=False, separators=(",", ":")
+    ).encode("utf-8")

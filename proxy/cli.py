@@ -1,0 +1,133 @@
+"""`compaction-proxy`: serve the proxy, count tokens, fetch tokenizer files."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from proxy import __version__
+from proxy.settings import ConfigError, Settings, load_settings
+
+SERVE_HELP = """\
+Start the proxy. Configuration comes from, lowest to highest precedence: built-in defaults,
+the TOML file given with --config (see config/proxy.example.toml for every key), environment
+variables COMPACTION_PROXY_<SECTION>__<KEY> (e.g. COMPACTION_PROXY_UPSTREAM__BASE_URL,
+COMPACTION_PROXY_COMPACTION__BUDGET_TOKENS), and the flags below.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compaction-proxy",
+        description="OpenAI-compatible reverse proxy that compacts long chat histories.",
+    )
+    parser.add_argument("--version", action="version", version=f"compaction-proxy {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the proxy",
+        description=SERVE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", metavar="PATH", help="TOML config file")
+    serve.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="upstream base URL (upstream.base_url), e.g. https://api.openai.com/v1",
+    )
+    serve.add_argument("--host", help="address to bind (server.host, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to bind (server.port, default 8080)")
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="server.log_level (default info)",
+    )
+    serve.set_defaults(func=serve_command)
+
+    from proxy.tokens import register_commands
+
+    register_commands(commands)
+    return parser
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    server = {
+        key: value
+        for key, value in (("host", args.host), ("port", args.port), ("log_level", args.log_level))
+        if value is not None
+    }
+    if server:
+        overrides["server"] = server
+    if args.upstream is not None:
+        overrides["upstream"] = {"base_url": args.upstream}
+    return overrides
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.tokens import TokenizerUnavailable
+
+    settings = load_settings(args.config, serve_overrides(args))
+    configure_logging(settings)
+    try:
+        app = create_app(settings)
+    except TokenizerUnavailable as exc:
+        print(f"compaction-proxy: error: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        access_log=settings.server.log_level == "debug",
+        server_header=False,
+        **uvicorn_speedups(),
+    )
+    return 0
+
+
+def uvicorn_speedups() -> dict[str, str]:
+    """uvloop and httptools when installed (uvicorn[standard] brings them)."""
+    kwargs: dict[str, str] = {}
+    try:
+        import uvloop  # noqa: F401
+
+        kwargs["loop"] = "uvloop"
+    except ImportError:
+        pass
+    try:
+        import httptools  # noqa: F401
+
+        kwargs["http"] = "httptools"
+    except ImportError:
+        pass
+    return kwargs
+
+
+def configure_logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except ConfigError as exc:
+        print(f"compaction-proxy: error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

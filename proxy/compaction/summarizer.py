@@ -1,0 +1,260 @@
+"""The summarizer: one non-streaming chat completion against an OpenAI-compatible upstream.
+
+It must never make a client's request much worse than no compaction: one deadline bounds the
+whole call including retries, only transient failures are retried (a bad request stays bad),
+and a circuit breaker shared by the app stops calling a summarizer that keeps failing, so a
+dead summarizer costs a fast failure instead of a timeout per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import httpx
+
+from proxy.compaction.protocol import Message, SummarizerError, Summary, Usage
+from proxy.compaction.render import content_text, strip_reasoning
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+
+# Reasoning families reject max_tokens and want max_completion_tokens.
+_REASONING_MODEL = re.compile(r"^(o[1-9]\d*(?![a-z0-9])|gpt-5(?!\d))", re.IGNORECASE)
+_ERROR_SNIPPET_CHARS = 200
+_MAX_BACKOFF_S = 30.0
+
+
+def uses_max_completion_tokens(model: str) -> bool:
+    """o1/o3/o4/gpt-5 and variants (`o3-mini`, `gpt-5.1`, `openai/o4-mini`...)."""
+    return bool(_REASONING_MODEL.match(model.rsplit("/", 1)[-1]))
+
+
+class CircuitBreaker:
+    """Closed -> (N consecutive failures) open -> (cool-down) one trial -> closed or open again.
+
+    One per app, shared by every request's summarizer. Not thread-safe; the event loop is
+    single-threaded and no method awaits.
+    """
+
+    def __init__(
+        self, failure_threshold: int = 5, cooldown_s: float = 30.0, *, clock: Clock = time.monotonic
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._trial_started: float | None = None
+
+    @property
+    def state(self) -> str:
+        if self._opened_at is None:
+            return "closed"
+        return "half_open" if self._trial_started is not None else "open"
+
+    def allow(self) -> bool:
+        """May a call go out now? In the open state, lets exactly one trial through per cool-down.
+
+        A trial that never reports back (a bug, a lost task) blocks others for one cool-down only.
+        """
+        if self._opened_at is None:
+            return True
+        now = self._clock()
+        since = self._trial_started if self._trial_started is not None else self._opened_at
+        if now - since < self.cooldown_s:
+            return False
+        self._trial_started = now
+        return True
+
+    def record_success(self) -> None:
+        self._failures = 0
+        self._opened_at = self._trial_started = None
+
+    def record_failure(self) -> None:
+        self._failures += 1
+        if self._opened_at is not None or self._failures >= self.failure_threshold:
+            self._opened_at = self._clock()
+            self._trial_started = None
+
+    def release(self) -> None:
+        """A call ended without a verdict (cancelled): let the next caller run the trial."""
+        if self._trial_started is not None:
+            self._trial_started = None
+            self._opened_at = self._clock() - self.cooldown_s
+
+
+class _Transient(Exception):
+    """An attempt failed in a way worth retrying; carries the error to raise if none is left."""
+
+    def __init__(self, error: SummarizerError, retry_after: float | None = None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.retry_after = retry_after
+
+
+class UpstreamSummarizer:
+    """Satisfies `proxy.compaction.protocol.Summarizer` via `POST {base_url}/chat/completions`.
+
+    Built per request (base URL, model and auth headers depend on it) around the app's shared
+    client and breaker. `timeout_s` bounds the whole call, retries and backoff included.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        base_url: str,
+        model: str,
+        headers: Mapping[str, str] | None = None,
+        max_tokens: int = 2000,
+        timeout_s: float = 120.0,
+        retries: int = 2,
+        backoff_base_s: float = 0.5,
+        breaker: CircuitBreaker | None = None,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        self.client = client
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.headers = dict(headers or {})
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_base_s = backoff_base_s
+        self.breaker = breaker
+        self._clock = clock
+        self._sleep = sleep
+        self._jitter = jitter
+
+    def request_body(self, system_prompt: str, messages: list[Message]) -> dict[str, Any]:
+        """No tools, no streaming, a hard cap on the summary's length."""
+        cap_key = (
+            "max_completion_tokens" if uses_max_completion_tokens(self.model) else "max_tokens"
+        )
+        return {
+            "model": self.model,
+            "messages": [{"role": "system", "content": system_prompt}, *messages],
+            "stream": False,
+            cap_key: self.max_tokens,
+        }
+
+    async def summarize(self, system_prompt: str, messages: list[Message]) -> Summary:
+        breaker = self.breaker
+        if breaker is not None and not breaker.allow():
+            raise SummarizerError("circuit_open", "summarizer disabled after repeated failures")
+        try:
+            summary = await self._call_with_retries(self.request_body(system_prompt, messages))
+        except SummarizerError as error:
+            if breaker is not None:
+                # A 4xx means the summarizer is up and the request was at fault.
+                if _is_client_error(error.reason):
+                    breaker.record_success()
+                else:
+                    breaker.record_failure()
+            raise
+        except BaseException:
+            if breaker is not None:
+                breaker.release()
+            raise
+        if breaker is not None:
+            breaker.record_success()
+        return summary
+
+    async def _call_with_retries(self, body: dict[str, Any]) -> Summary:
+        deadline = self._clock() + self.timeout_s
+        attempt = 0
+        while True:
+            try:
+                return await self._attempt(body, deadline - self._clock())
+            except _Transient as failure:
+                delay = self._backoff(attempt, failure.retry_after)
+                if attempt >= self.retries or self._clock() + delay >= deadline:
+                    raise failure.error from None
+            attempt += 1
+            await self._sleep(delay)
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        """Exponential with jitter (50-100% of the step), at least what Retry-After asked."""
+        step = self.backoff_base_s * 2.0**attempt
+        delay = step * (0.5 + 0.5 * self._jitter())
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        return min(delay, _MAX_BACKOFF_S)
+
+    async def _attempt(self, body: dict[str, Any], remaining: float) -> Summary:
+        if remaining <= 0:
+            raise SummarizerError("summarizer_timeout", f"no reply within {self.timeout_s:g}s")
+        try:
+            async with asyncio.timeout(remaining):  # httpx's read timeout is per chunk, not total
+                response = await self.client.post(
+                    self.url, json=body, headers=self.headers, timeout=httpx.Timeout(remaining)
+                )
+        except (httpx.TimeoutException, TimeoutError):
+            raise SummarizerError(
+                "summarizer_timeout", f"no reply within {self.timeout_s:g}s"
+            ) from None
+        except httpx.TransportError as exc:
+            error = SummarizerError("summarizer_unreachable", f"{type(exc).__name__}: {exc}")
+            raise _Transient(error) from None
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise SummarizerError("summarizer_unreachable", str(exc)) from None
+        status = response.status_code
+        if status != 200:
+            error = SummarizerError(
+                f"summarizer_http_{status}",
+                f"summarizer answered {status}: {response.text[:_ERROR_SNIPPET_CHARS]}",
+            )
+            if status == 429 or status >= 500:
+                raise _Transient(error, _retry_after(response))
+            raise error
+        return _parse_reply(response)
+
+
+def _is_client_error(reason: str) -> bool:
+    prefix = "summarizer_http_"
+    if not reason.startswith(prefix):
+        return False
+    status = reason[len(prefix) :]
+    return status.isdigit() and 400 <= int(status) < 500 and int(status) != 429
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(float(value), 0.0) if isinstance(value, str) else None
+    except ValueError:
+        return None  # an HTTP date: fall back to our own backoff
+
+
+def _parse_reply(response: httpx.Response) -> Summary:
+    """The reply's text without reasoning (`reasoning_content` fields are never read)."""
+    try:
+        payload = response.json()
+        message = payload["choices"][0]["message"]
+        content = message.get("content")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise SummarizerError(
+            "summarizer_bad_response",
+            f"not a chat completion: {response.text[:_ERROR_SNIPPET_CHARS]}",
+        ) from None
+    text = strip_reasoning(content_text(content)) if content is not None else ""
+    if not text:
+        raise SummarizerError("summarizer_empty", "the summarizer's reply had no text")
+    return Summary(text, _usage(payload.get("usage")))
+
+
+def _usage(usage: Any) -> Usage:
+    if not isinstance(usage, dict):
+        return Usage()
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return Usage(
+        prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else 0,
+        completion if isinstance(completion, int) and not isinstance(completion, bool) else 0,
+    )

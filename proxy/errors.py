@@ -1,0 +1,63 @@
+"""OpenAI-style error envelopes: `{"error": {"message", "type", "param", "code"}}`.
+
+SDKs parse this shape into their exception's message; anything else shows up as an opaque blob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from starlette.responses import JSONResponse
+
+
+class ProxyError(Exception):
+    """An error the proxy answers itself (bad input, upstream unreachable, ...)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def response(self, extra_headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return error_response(
+            self.status,
+            self.message,
+            type=self.type,
+            param=self.param,
+            code=self.code,
+            headers={**self.headers, **(extra_headers or {})},
+        )
+
+
+class ClientDisconnected(Exception):
+    """The client went away; there is nobody to answer."""
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ProxyError:
+    return ProxyError(400, message, param=param, code=code)

@@ -1,0 +1,125 @@
+"""Talking to the upstream: open a request, map transport failures, relay the reply.
+
+Every reply is relayed as raw bytes while they arrive (no decoding, no buffering), so
+streaming and non-streaming responses take the same path and memory stays flat.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import anyio
+import httpx
+from starlette.responses import StreamingResponse
+
+from proxy.errors import ProxyError
+from proxy.headers import Headers, client_response_headers
+from proxy.settings import UpstreamSettings
+
+log = logging.getLogger("proxy.upstream")
+
+RequestContent = bytes | AsyncIterator[bytes]
+
+
+class Upstream:
+    """The upstream API behind the proxy: one base URL, one shared pooled client."""
+
+    def __init__(self, client: httpx.AsyncClient, settings: UpstreamSettings) -> None:
+        self.client = client
+        self.base_url = settings.base_url
+        self.host = urlsplit(settings.base_url).netloc
+        self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
+        self.timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
+
+    def url_for(self, path: str, query: bytes = b"") -> str:
+        url = f"{self.base_url}/{path.lstrip('/')}"
+        return f"{url}?{query.decode('latin-1')}" if query else url
+
+    async def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: Headers,
+        content: RequestContent | None,
+        query: bytes = b"",
+    ) -> httpx.Response:
+        """Send the request and return once the upstream's status and headers are in.
+
+        The body is left unread (`stream=True`); the caller relays it and must close it.
+        """
+        request = self.client.build_request(
+            method,
+            self.url_for(path, query),
+            headers=headers,
+            content=content,
+            timeout=self.timeout,
+        )
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            raise self.failure(exc) from None
+        except httpx.HTTPError as exc:
+            raise self.failure(exc) from None
+
+    def failure(self, exc: httpx.HTTPError) -> ProxyError:
+        """Map a transport failure to 502 (unreachable) or 504 (too slow), naming the host."""
+        if isinstance(exc, httpx.ConnectTimeout):
+            return ProxyError(
+                504,
+                f"Timed out connecting to the upstream {self.host} "
+                f"(after {self.timeout.connect}s).",
+                type="upstream_error",
+                code="upstream_timeout",
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return ProxyError(
+                504,
+                f"The upstream {self.host} did not answer in time "
+                f"(timeout {self.timeout.read}s).",
+                type="upstream_error",
+                code="upstream_timeout",
+            )
+        detail = str(exc) or type(exc).__name__
+        return ProxyError(
+            502,
+            f"Could not reach the upstream {self.host}: {detail}",
+            type="upstream_error",
+            code="upstream_unreachable",
+        )
+
+    def relay(
+        self, upstream: httpx.Response, extra_headers: Mapping[str, str] | None = None
+    ) -> StreamingResponse:
+        """Stream the upstream's reply to the client, byte for byte, closing it when done.
+
+        If the client disconnects, Starlette cancels the body iterator and the `finally`
+        closes the upstream response, which aborts the upstream connection.
+        """
+        headers = client_response_headers(upstream.headers.multi_items())
+        content_type = upstream.headers.get("content-type", "")
+        extra = dict(extra_headers or {})
+        if content_type.startswith("text/event-stream"):
+            extra.setdefault("cache-control", "no-cache")
+            extra.setdefault("x-accel-buffering", "no")
+        names = {name.lower() for name in extra}
+        headers = [(k, v) for k, v in headers if k.lower() not in names] + list(extra.items())
+        response = StreamingResponse(_relay_body(upstream, self.host), upstream.status_code)
+        response.raw_headers = [
+            (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers
+        ]
+        return response
+
+
+async def _relay_body(upstream: httpx.Response, host: str) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        # Status and headers are already sent: all we can do is end the body early.
+        log.warning("upstream %s failed mid-response: %s", host, type(exc).__name__)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()

@@ -1,0 +1,104 @@
+"""Reading and checking a chat request body before anything else looks at it.
+
+The checks are the minimum the proxy needs to do its job (a JSON object with a list of
+messages that have roles); everything else is the upstream's to judge, so we forward it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from proxy.errors import ProxyError, bad_request
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(
+        413,
+        f"Request body is larger than this proxy accepts ({limit} bytes; "
+        "server.max_body_bytes).",
+        code="request_too_large",
+    )
+
+
+def _type_name(value: object) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
+
+
+def parse_chat_body(raw: bytes) -> dict[str, Any]:
+    """Parse and check a chat completions body; raise a 400 ProxyError naming the field."""
+    if not raw.strip():
+        raise bad_request("The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(
+            f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"The request body must be a JSON object, but got {_type_name(body)}.",
+            code="invalid_type",
+        )
+    if "messages" not in body:
+        raise bad_request(
+            "Missing required parameter: 'messages'.",
+            param="messages",
+            code="missing_required_parameter",
+        )
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise bad_request(
+            f"Invalid type for 'messages': expected an array, but got {_type_name(messages)}.",
+            param="messages",
+            code="invalid_type",
+        )
+    if not messages:
+        raise bad_request(
+            "Invalid 'messages': empty array. Expected an array with at least one message.",
+            param="messages",
+            code="empty_array",
+        )
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(
+                f"Invalid type for 'messages[{index}]': expected an object, "
+                f"but got {_type_name(message)}.",
+                param=f"messages[{index}]",
+                code="invalid_type",
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            shown = "missing" if role is None else repr(role)
+            raise bad_request(
+                f"Invalid 'messages[{index}].role': {shown}. Supported values are: "
+                + ", ".join(f"'{r}'" for r in sorted(ROLES))
+                + ".",
+                param=f"messages[{index}].role",
+                code="invalid_value",
+            )
+    return body

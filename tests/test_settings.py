@@ -1,0 +1,106 @@
+"""Configuration: file < environment < CLI, one clear line for a bad key, the example file valid."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import build_parser, serve_overrides
+from proxy.settings import ConfigError, Settings, load_settings
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "proxy.example.toml"
+
+
+def test_example_config_is_valid_and_equals_the_defaults() -> None:
+    loaded = load_settings(EXAMPLE)
+    assert loaded == Settings()
+    # Every section and key of the model appears in the example file.
+    data = tomllib.loads(EXAMPLE.read_text())
+    for section in ("server", "upstream", "tokenizer", "compaction", "cache"):
+        assert section in data
+
+
+def test_example_documents_every_key() -> None:
+    text = EXAMPLE.read_text()
+    settings = Settings()
+    for section in ("server", "upstream", "tokenizer", "compaction", "cache"):
+        for key in type(getattr(settings, section)).model_fields:
+            if key in ("models", "summarizer"):
+                continue
+            assert f"{key} =" in text, f"{section}.{key} missing from the example config"
+    for key in type(settings.compaction.summarizer).model_fields:
+        assert f"{key} =" in text, f"compaction.summarizer.{key} missing"
+
+
+def test_precedence_file_env_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        '[upstream]\nbase_url = "http://file/v1"\ntimeout_s = 5\n'
+        "[server]\nport = 9000\n"
+        '[compaction.models."gpt-4o-mini"]\nbudget_tokens = 500\n'
+    )
+    monkeypatch.setenv("COMPACTION_PROXY_UPSTREAM__TIMEOUT_S", "7")
+    monkeypatch.setenv("COMPACTION_PROXY_SERVER__PORT", "9001")
+    settings = load_settings(config, {"server": {"port": 9002}})
+    assert settings.upstream.base_url == "http://file/v1"
+    assert settings.upstream.timeout_s == 7
+    assert settings.server.port == 9002
+    assert settings.compaction.budget_for("gpt-4o-mini") == 500
+    assert settings.compaction.budget_for("gpt-4o") == 100_000
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[server]\nport = -1\n", "server.port"),
+        ('[upstream]\nbase_url = "ftp://x"\n', "upstream.base_url"),
+        ('[compaction]\non_error = "explode"\n', "compaction.on_error"),
+        ("[compaction]\nbudget_tokenz = 5\n", "compaction.budget_tokenz"),
+    ],
+)
+def test_bad_config_names_the_key(tmp_path: Path, toml: str, key: str) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    assert key in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_flags_map_to_settings() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--upstream", "http://u/v1", "--port", "1234", "--host", "0.0.0.0"]
+    )
+    assert serve_overrides(args) == {
+        "server": {"host": "0.0.0.0", "port": 1234},
+        "upstream": {"base_url": "http://u/v1"},
+    }
+
+
+def test_serve_with_bad_config_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[upstream]\ntimeout_s = 'soon'\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "upstream.timeout_s" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_help_documents_configuration() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    assert "COMPACTION_PROXY_" in result.stdout
+    assert "--upstream" in result.stdout
