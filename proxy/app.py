@@ -45,7 +45,7 @@ def create_app(
         settings=settings,
         upstream=Upstream(client, settings.upstream),
         counter=counter,
-        compactor=Compactor(settings, counter),
+        compactor=Compactor(settings, counter, client),
     )
 
     @asynccontextmanager

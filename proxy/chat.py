@@ -14,10 +14,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy.compactor import Control
+from proxy.compactor import Control, summarizer_headers
 from proxy.disconnect import cancel_on_disconnect
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
-from proxy.headers import credential_of, request_id_of, upstream_request_headers
+from proxy.headers import request_id_of, upstream_request_headers
 from proxy.report import Outcome
 from proxy.state import ProxyState
 from proxy.validation import parse_chat_body, read_body
@@ -42,7 +42,7 @@ async def chat_completions(request: Request) -> Response:
             lambda: state.compactor.run(
                 body,
                 control,
-                credential=credential_of(client_headers),
+                client_headers=summarizer_headers(client_headers),
                 request_id=request_id,
             ),
         )

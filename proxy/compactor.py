@@ -1,15 +1,23 @@
 """The compaction step of the request path: decide, compact, and say what happened.
 
-It owns the policy (budget, per-request control headers, failure policy); the algorithm lives
-behind the `Compaction` protocol in proxy/compaction/.
+It owns the policy (budget, per-request control headers, no-progress guard, failure policy);
+the algorithm lives behind `SimpleCompaction` in proxy/compaction/.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import httpx
+
+from proxy.compaction.protocol import Message, SummarizerError
+from proxy.compaction.simple import Prepared, SimpleCompaction
+from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
+from proxy.errors import ProxyError
 from proxy.report import Outcome
 from proxy.settings import Settings
 
@@ -41,31 +49,157 @@ class Control:
     budget: int | None = None
 
 
+# Client headers the summarizer call carries over: who pays, and with which key.
+SUMMARIZER_HEADERS = frozenset({"authorization", "api-key", "openai-organization", "openai-project"})
+
+
+def summarizer_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers if name.lower() in SUMMARIZER_HEADERS}
+
+
 def model_of(body: dict[str, Any]) -> str:
     model = body.get("model")
     return model if isinstance(model, str) else ""
 
 
 class Compactor:
-    def __init__(self, settings: Settings, counter: PromptCounter) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        counter: PromptCounter,
+        client: httpx.AsyncClient,
+    ) -> None:
         self.settings = settings
         self.counter = counter
+        self.client = client
+        summarizer = settings.compaction.summarizer
+        self.breaker = CircuitBreaker(summarizer.breaker_failures, summarizer.breaker_cooldown_s)
 
     async def run(
         self,
         body: dict[str, Any],
         control: Control,
         *,
-        credential: str | None,
+        client_headers: dict[str, str],
         request_id: str,
     ) -> Outcome:
+        """`client_headers`: the client's credential and billing headers (see SUMMARIZER_HEADERS)."""
+        started = time.perf_counter()
+        config = self.settings.compaction
         model = model_of(body)
         tokens = await self.counter.acount_request(body)
-        budget = control.budget or self.settings.compaction.budget_for(model)
+        budget = control.budget or config.budget_for(model)
         outcome = Outcome(tokens_before=tokens, budget=budget, estimated=self.counter.estimated)
-        if control.mode == "off" or not self.settings.compaction.enabled:
+        if control.mode == "off" or not config.enabled:
             outcome.status = "off"
             return outcome
         if tokens <= budget and control.mode != "force":
             return outcome
+
+        messages: list[Message] = body["messages"]
+        summarizer_model = config.summarizer.model or model
+        compaction = self.compaction_for(summarizer_model)
+        prepared = compaction.prepare(messages, custom_instruction=config.custom_instruction)
+        if prepared.compact_message is None:
+            outcome.status, outcome.reason = "skipped", "nothing_to_compact"
+        elif control.mode != "force" and self.kept_tokens(model, body, prepared) > budget:
+            # Pinned + tools + tail alone are over budget: a summary cannot help.
+            outcome.status, outcome.reason = "skipped", "preserved_over_budget"
+        else:
+            await self.compact(body, prepared, compaction, outcome, summarizer_model, client_headers)
+        self.log(outcome, model, request_id, time.perf_counter() - started)
         return outcome
+
+    async def compact(
+        self,
+        body: dict[str, Any],
+        prepared: Prepared,
+        compaction: SimpleCompaction,
+        outcome: Outcome,
+        summarizer_model: str,
+        client_headers: dict[str, str],
+    ) -> None:
+        config = self.settings.compaction
+        summarizer = self.summarizer_for(summarizer_model, client_headers)
+        try:
+            summary = await compaction.summarize_span(
+                summarizer, prepared.to_compact, custom_instruction=config.custom_instruction
+            )
+        except SummarizerError as error:
+            outcome.status, outcome.reason = "failed", error.reason
+            if config.on_error == "reject":
+                raise ProxyError(
+                    502,
+                    f"Compaction failed ({error.reason}): {error}",
+                    type="upstream_error",
+                    code="compaction_failed",
+                    headers=outcome.headers(),
+                ) from None
+            return
+        new_messages = compaction.assemble(prepared, summary.text)
+        outcome.status = "compacted"
+        outcome.messages = new_messages
+        outcome.summarized = len(prepared.to_compact)
+        outcome.usage = summary.usage
+        outcome.tokens_after = await self.counter.acount_request({**body, "messages": new_messages})
+
+    def compaction_for(self, summarizer_model: str) -> SimpleCompaction:
+        config = self.settings.compaction
+        return SimpleCompaction(
+            config.max_preserved_messages,
+            keep_last_user_message=config.keep_last_user_message,
+            summary_role=config.summary_role,
+            max_message_tokens=config.summarizer.max_message_tokens,
+            summarizer_context_tokens=config.summarizer.context_tokens,
+            summary_max_tokens=config.summary_max_tokens,
+            count_tokens=lambda text: self.counter.count_text(summarizer_model, text),
+        )
+
+    def summarizer_for(self, model: str, client_headers: dict[str, str]) -> UpstreamSummarizer:
+        """Defaults: the upstream's URL, the request's model, the client's own credential
+        (and organization/project headers, so the summary is billed where the request is)."""
+        config = self.settings.compaction.summarizer
+        upstream = self.settings.upstream
+        api_key = config.api_key or upstream.api_key
+        headers = dict(client_headers)
+        if api_key is not None:
+            headers.pop("api-key", None)
+            headers["authorization"] = f"Bearer {api_key.get_secret_value()}"
+        return UpstreamSummarizer(
+            self.client,
+            base_url=config.base_url or upstream.base_url,
+            model=model,
+            headers=headers,
+            max_tokens=self.settings.compaction.summary_max_tokens,
+            timeout_s=config.timeout_s,
+            retries=config.retries,
+            backoff_base_s=config.backoff_base_s,
+            breaker=self.breaker,
+        )
+
+    def kept_tokens(self, model: str, body: dict[str, Any], prepared: Prepared) -> int:
+        """What the forwarded request would cost even with an empty summary."""
+        kept = [*prepared.pinned, *prepared.to_preserve]
+        return self.counter.count_messages(model, kept) + self.counter.count_tools(model, body)
+
+    def log(self, outcome: Outcome, model: str, request_id: str, seconds: float) -> None:
+        """One structured line per compaction decision; never any content."""
+        log.info(
+            json.dumps(
+                {
+                    "event": "compaction",
+                    "request_id": request_id,
+                    "model": model,
+                    "status": outcome.status,
+                    "reason": outcome.reason,
+                    "tokens_before": outcome.tokens_before,
+                    "tokens_after": outcome.tokens_after,
+                    "budget": outcome.budget,
+                    "messages_summarized": outcome.summarized,
+                    "summary_input_tokens": outcome.usage.input_tokens,
+                    "summary_output_tokens": outcome.usage.output_tokens,
+                    "cache": outcome.cache,
+                    "duration_ms": round(seconds * 1000, 1),
+                }
+            )
+        )

@@ -38,7 +38,7 @@ class ProxyError(Exception):
             type=self.type,
             param=self.param,
             code=self.code,
-            headers={**self.headers, **(extra_headers or {})},
+            headers={**(extra_headers or {}), **self.headers},
         )
 
 

@@ -1,0 +1,59 @@
+"""Prometheus metrics, one registry per app (so several apps in one process don't collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.report import Outcome
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.chat_requests = Counter(
+            "compaction_proxy_chat_requests",
+            "Chat completion requests, by compaction status.",
+            ["status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "compaction_proxy_prompt_tokens",
+            "Prompt tokens counted by the proxy, as sent by clients (before) and as forwarded (after).",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.summarizer_tokens = Counter(
+            "compaction_proxy_summarizer_tokens",
+            "Tokens spent on summarizer calls.",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.store_errors = Counter(
+            "compaction_proxy_store_errors",
+            "Summary store operations that failed (the request went on without the store).",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.compaction_seconds = Histogram(
+            "compaction_proxy_compaction_seconds",
+            "Time spent compacting (summarizer included), for requests that compacted.",
+            buckets=(0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+
+    def observe(self, outcome: Outcome, seconds: float) -> None:
+        self.chat_requests.labels(outcome.status).inc()
+        if outcome.tokens_before is not None:
+            self.prompt_tokens.labels("before").inc(outcome.tokens_before)
+            after = outcome.tokens_after if outcome.tokens_after is not None else outcome.tokens_before
+            self.prompt_tokens.labels("after").inc(after)
+        self.summarizer_tokens.labels("input").inc(outcome.usage.input_tokens)
+        self.summarizer_tokens.labels("output").inc(outcome.usage.output_tokens)
+        if outcome.status in ("compacted", "extended", "reused"):
+            self.compaction_seconds.observe(seconds)
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
