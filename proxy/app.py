@@ -14,9 +14,11 @@ from starlette.routing import Route
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
 from proxy.errors import error_response
+from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
 from proxy.settings import Settings
 from proxy.state import ProxyState
+from proxy.store import create_store
 from proxy.tokens import TokenCounter
 from proxy.transport import create_upstream_client
 from proxy.upstream import Upstream
@@ -41,11 +43,13 @@ def create_app(
         token_counter.load()
         counter = token_counter
     client = create_upstream_client(settings.upstream)
+    store = create_store(settings.cache)
+    metrics = Metrics(store)
     state = ProxyState(
         settings=settings,
         upstream=Upstream(client, settings.upstream),
         counter=counter,
-        compactor=Compactor(settings, counter, client),
+        compactor=Compactor(settings, counter, client, store, metrics),
     )
 
     @asynccontextmanager
@@ -55,12 +59,14 @@ def create_app(
             yield
         finally:
             await client.aclose()
+            await store.close()
             counter.close()
 
     app = Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET", "HEAD"]),
             Route("/readyz", readyz, methods=["GET", "HEAD"]),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),

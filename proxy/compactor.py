@@ -14,12 +14,17 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from proxy.compaction.prompt import PROMPT_VERSION
 from proxy.compaction.protocol import Message, SummarizerError
 from proxy.compaction.simple import Prepared, SimpleCompaction
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
+from proxy.headers import credential_of
+from proxy.metrics import Metrics
+from proxy.planner import SummaryPlanner
 from proxy.report import Outcome
 from proxy.settings import Settings
+from proxy.store import SummaryFlight, SummaryStore, namespace_for, scope_for
 
 log = logging.getLogger("proxy.compaction")
 
@@ -68,10 +73,15 @@ class Compactor:
         settings: Settings,
         counter: PromptCounter,
         client: httpx.AsyncClient,
+        store: SummaryStore,
+        metrics: Metrics,
     ) -> None:
         self.settings = settings
         self.counter = counter
         self.client = client
+        self.store = store
+        self.metrics = metrics
+        self.planner = SummaryPlanner(store, SummaryFlight(store))
         summarizer = settings.compaction.summarizer
         self.breaker = CircuitBreaker(summarizer.breaker_failures, summarizer.breaker_cooldown_s)
 
@@ -92,9 +102,23 @@ class Compactor:
         outcome = Outcome(tokens_before=tokens, budget=budget, estimated=self.counter.estimated)
         if control.mode == "off" or not config.enabled:
             outcome.status = "off"
-            return outcome
-        if tokens <= budget and control.mode != "force":
-            return outcome
+        elif tokens > budget or control.mode == "force":
+            await self.decide(body, control, outcome, client_headers)
+            self.log(outcome, model, request_id, time.perf_counter() - started)
+        self.metrics.observe(outcome, time.perf_counter() - started)
+        return outcome
+
+    async def decide(
+        self,
+        body: dict[str, Any],
+        control: Control,
+        outcome: Outcome,
+        client_headers: dict[str, str],
+    ) -> None:
+        """Over budget (or forced): skip when compaction can't help, else plan and compact."""
+        config = self.settings.compaction
+        model = model_of(body)
+        budget = outcome.budget or config.budget_tokens
 
         messages: list[Message] = body["messages"]
         summarizer_model = config.summarizer.model or model
@@ -106,9 +130,15 @@ class Compactor:
             # Pinned + tools + tail alone are over budget: a summary cannot help.
             outcome.status, outcome.reason = "skipped", "preserved_over_budget"
         else:
-            await self.compact(body, prepared, compaction, outcome, summarizer_model, client_headers)
-        self.log(outcome, model, request_id, time.perf_counter() - started)
-        return outcome
+            await self.compact(
+                body,
+                prepared,
+                compaction,
+                outcome,
+                summarizer_model,
+                client_headers,
+                force=control.mode == "force",
+            )
 
     async def compact(
         self,
@@ -118,15 +148,30 @@ class Compactor:
         outcome: Outcome,
         summarizer_model: str,
         client_headers: dict[str, str],
+        force: bool,
     ) -> None:
         config = self.settings.compaction
-        summarizer = self.summarizer_for(summarizer_model, client_headers)
+        model = model_of(body)
+
+        async def count(messages: list[Message]) -> int:
+            return await self.counter.acount_request({**body, "messages": messages})
+
         try:
-            summary = await compaction.summarize_span(
-                summarizer, prepared.to_compact, custom_instruction=config.custom_instruction
+            plan = await self.planner.plan(
+                prepared,
+                compaction,
+                self.summarizer_for(summarizer_model, client_headers),
+                scope=scope_for(credential_of(client_headers.items()), self.settings.cache.scope),
+                namespace=self.namespace(summarizer_model),
+                budget=outcome.budget or config.budget_tokens,
+                force=force,
+                count=count,
+                count_text=lambda text: self.counter.count_text(model, text),
+                custom_instruction=config.custom_instruction,
             )
         except SummarizerError as error:
             outcome.status, outcome.reason = "failed", error.reason
+            outcome.cache = None if self.store.available else "none"
             if config.on_error == "reject":
                 raise ProxyError(
                     502,
@@ -136,12 +181,31 @@ class Compactor:
                     headers=outcome.headers(),
                 ) from None
             return
-        new_messages = compaction.assemble(prepared, summary.text)
-        outcome.status = "compacted"
-        outcome.messages = new_messages
-        outcome.summarized = len(prepared.to_compact)
-        outcome.usage = summary.usage
-        outcome.tokens_after = await self.counter.acount_request({**body, "messages": new_messages})
+        outcome.cache = plan.cache
+        outcome.usage = plan.usage
+        if not force and outcome.tokens_before is not None and plan.tokens >= outcome.tokens_before:
+            # The summary is longer than what it replaces: forward the original instead.
+            outcome.status, outcome.reason = "skipped", "no_gain"
+            return
+        outcome.status = plan.status
+        outcome.messages = plan.messages
+        outcome.summarized = plan.summarized
+        outcome.tokens_after = plan.tokens
+
+    def namespace(self, summarizer_model: str) -> str:
+        """Everything that shapes a summary's text: a change starts a new set of keys."""
+        config = self.settings.compaction
+        return namespace_for(
+            model=summarizer_model,
+            base_url=config.summarizer.base_url or self.settings.upstream.base_url,
+            prompt=PROMPT_VERSION,
+            summary_max_tokens=config.summary_max_tokens,
+            summary_role=config.summary_role,
+            max_preserved_messages=config.max_preserved_messages,
+            max_message_tokens=config.summarizer.max_message_tokens,
+            context_tokens=config.summarizer.context_tokens,
+            custom_instruction=config.custom_instruction,
+        )
 
     def compaction_for(self, summarizer_model: str) -> SimpleCompaction:
         config = self.settings.compaction

@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.report import Outcome
+from proxy.store import SummaryStore
+
+
+class _StoreCollector(Collector):
+    """Reads the store's own failure count at scrape time."""
+
+    def __init__(self, store: SummaryStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "compaction_proxy_store_errors",
+            "Summary store operations that failed (requests went on without the store).",
+            labels=["backend"],
+        )
+        family.add_metric([self.store.name], self.store.errors)
+        yield family
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, store: SummaryStore) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(store))
         self.chat_requests = Counter(
             "compaction_proxy_chat_requests",
             "Chat completion requests, by compaction status.",
@@ -29,12 +51,6 @@ class Metrics:
             "compaction_proxy_summarizer_tokens",
             "Tokens spent on summarizer calls.",
             ["direction"],
-            registry=self.registry,
-        )
-        self.store_errors = Counter(
-            "compaction_proxy_store_errors",
-            "Summary store operations that failed (the request went on without the store).",
-            ["backend"],
             registry=self.registry,
         )
         self.compaction_seconds = Histogram(

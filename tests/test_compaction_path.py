@@ -143,10 +143,10 @@ async def test_summarizer_failure_forwards_original_bytes(
 async def test_summarizer_timeout_forwards_unchanged(upstream: respx.MockRouter) -> None:
     fake = FakeUpstream()
 
-    def side_effect(request: httpx.Request) -> httpx.Response:
+    async def side_effect(request: httpx.Request) -> httpx.Response:
         if json.loads(request.content)["messages"][0].get("content") == SYSTEM_PROMPT:
             raise httpx.ReadTimeout("slow summarizer", request=request)
-        return fake(request)
+        return await fake(request)
 
     upstream.post("/chat/completions").mock(side_effect=side_effect)
     async for client in app_client(compaction={"summarizer": {"retries": 0}}):

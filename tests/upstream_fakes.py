@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,23 +33,30 @@ class FakeUpstream:
     summary_text: str = "SUMMARY: the user is building a parser; tests pass."
     summary_status: int = 200
     summary_usage: tuple[int, int] = (1234, 56)
+    numbered: bool = False  # "... #n" for the n-th summary, to tell summaries apart
+    gate: asyncio.Event | None = None  # when set, summarizer replies wait for it
     summary_calls: list[dict[str, Any]] = field(default_factory=list)
     summary_requests: list[httpx.Request] = field(default_factory=list)
     forwarded: list[dict[str, Any]] = field(default_factory=list)
     forwarded_raw: list[bytes] = field(default_factory=list)
     forwarded_requests: list[httpx.Request] = field(default_factory=list)
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         if is_summarizer_call(body):
             self.summary_calls.append(body)
             self.summary_requests.append(request)
+            if self.gate is not None:
+                await self.gate.wait()
+            text = self.summary_text
+            if self.numbered:
+                text = f"{text} #{len(self.summary_calls)}"
             if self.summary_status != 200:
                 return httpx.Response(self.summary_status, json={"error": {"message": "down"}})
             return httpx.Response(
                 200,
                 json={
-                    "choices": [{"message": {"role": "assistant", "content": self.summary_text}}],
+                    "choices": [{"message": {"role": "assistant", "content": text}}],
                     "usage": {
                         "prompt_tokens": self.summary_usage[0],
                         "completion_tokens": self.summary_usage[1],

@@ -1,1 +1,54 @@
-"""Summary store: pay for each summary once, keep the forwarded prefix stable."""
+"""Summary store: pay for each summary once, keep the forwarded prefix stable.
+
+`chain_hashes` names every prefix of the history; a `SummaryStore` maps those names to
+summaries (backends: memory, redis, none); `SummaryFlight` makes sure concurrent requests,
+on one replica or several, pay for a given summary once. The redis backend is imported
+lazily, so this package works without the `redis` extra.
+"""
+
+from __future__ import annotations
+
+from proxy.settings import CacheSettings, ConfigError
+from proxy.store.chain import canonical, chain_hashes, namespace_for, scope_for
+from proxy.store.memory import MemoryStore
+from proxy.store.protocol import (
+    LockingStore,
+    LockResult,
+    NullStore,
+    StoredSummary,
+    SummaryStore,
+)
+from proxy.store.singleflight import SingleFlight, SummaryFlight
+
+__all__ = [
+    "LockResult",
+    "LockingStore",
+    "MemoryStore",
+    "NullStore",
+    "SingleFlight",
+    "StoredSummary",
+    "SummaryFlight",
+    "SummaryStore",
+    "canonical",
+    "chain_hashes",
+    "create_store",
+    "namespace_for",
+    "scope_for",
+]
+
+
+def create_store(settings: CacheSettings) -> SummaryStore:
+    """The backend `cache.backend` names. Raises ConfigError if redis is asked for but missing."""
+    if settings.backend == "none":
+        return NullStore()
+    if settings.backend == "memory":
+        return MemoryStore(settings.max_bytes, settings.ttl_s)
+    try:
+        from proxy.store.redis import RedisStore
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "redis":
+            raise
+        raise ConfigError(
+            "cache.backend = 'redis' needs the redis package: pip install 'compaction-proxy[redis]'"
+        ) from None
+    return RedisStore(settings.redis_url, settings.key_prefix, settings.ttl_s, settings.lock_ttl_s)

@@ -1,0 +1,197 @@
+"""The Redis store against a real server: round trip, one MGET per lookup, sharing, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from proxy.compaction.protocol import Usage
+from proxy.store.protocol import LockingStore, StoredSummary
+from proxy.store.redis import RedisStore, redact_url
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+KEYS = [f"{i:064x}" for i in range(1, 31)]
+
+
+def summary(length: int, text: str = "") -> StoredSummary:
+    return StoredSummary(text or f"résumé {length}", length, 9, Usage(300, 40), 1_700_000_000.25)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CommandLog:
+    """Wraps a client's execute_command: records command names, can simulate an outage."""
+
+    def __init__(self, client: Redis) -> None:
+        self.names: list[str] = []
+        self.down = False
+        self._inner: Callable[..., Awaitable[Any]] = client.execute_command
+        client.execute_command = self  # type: ignore[method-assign]
+
+    async def __call__(self, *args: Any, **options: Any) -> Any:
+        self.names.append(str(args[0]).upper())
+        if self.down:
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Refused.")
+        return await self._inner(*args, **options)
+
+
+@pytest.fixture
+async def store(key_prefix: str) -> AsyncIterator[RedisStore]:
+    s = RedisStore(REDIS_URL, key_prefix, ttl_s=600, lock_ttl_s=5)
+    yield s
+    await s.close()
+
+
+async def test_round_trip_with_ttl(store: RedisStore, redis_client: Redis, key_prefix: str) -> None:
+    await store.put(KEYS[2], summary(3))
+    assert await store.get(KEYS[2]) == summary(3)
+    assert await store.get(KEYS[3]) is None
+    raw_key = f"{key_prefix}summary:{KEYS[2]}"
+    assert 0 < await redis_client.ttl(raw_key) <= 600
+    assert store.available and store.errors == 0
+    assert isinstance(store, LockingStore)
+
+
+async def test_one_mget_per_lookup(store: RedisStore, key_prefix: str) -> None:
+    for k in (3, 10, 25):
+        await store.put(KEYS[k - 1], summary(k))
+    log = CommandLog(store._client)
+    assert await store.longest(KEYS, 30) == summary(25)
+    assert await store.longest(KEYS, 24) == summary(10)
+    assert [s.length for s in await store.lookup_all(KEYS, 30)] == [25, 10, 3]
+    assert [s.length for s in await store.lookup_all(KEYS, 9)] == [3]
+    assert await store.longest(KEYS, 2) is None
+    assert log.names == ["MGET"] * 5
+    assert await store.longest(KEYS, 0) is None  # nothing to probe: no round trip
+    assert await store.lookup_all([], 10) == []
+    assert log.names == ["MGET"] * 5
+
+
+async def test_two_instances_share_entries(store: RedisStore, key_prefix: str) -> None:
+    other = RedisStore(REDIS_URL, key_prefix, ttl_s=600, lock_ttl_s=5)
+    try:
+        await store.put(KEYS[4], summary(5))
+        assert await other.longest(KEYS, 30) == summary(5)
+        await other.put(KEYS[6], summary(7))
+        assert [s.length for s in await store.lookup_all(KEYS, 30)] == [7, 5]
+    finally:
+        await other.close()
+    isolated = RedisStore(REDIS_URL, key_prefix + "other:", ttl_s=600, lock_ttl_s=5)
+    try:
+        assert await isolated.longest(KEYS, 30) is None
+    finally:
+        await isolated.close()
+
+
+async def test_unreadable_or_mislabelled_entries_are_misses(
+    store: RedisStore, redis_client: Redis, key_prefix: str
+) -> None:
+    await redis_client.set(f"{key_prefix}summary:{KEYS[7]}", b"not json")
+    await store.put(KEYS[5], summary(9))  # claims 9 messages under the 6-message key
+    await store.put(KEYS[1], summary(2))
+    assert await store.longest(KEYS, 30) == summary(2)
+    assert await store.get(KEYS[7]) is None
+    assert store.available and store.errors == 0
+
+
+async def test_locks(store: RedisStore, redis_client: Redis, key_prefix: str) -> None:
+    other = RedisStore(REDIS_URL, key_prefix, ttl_s=600, lock_ttl_s=5)
+    try:
+        assert await store.acquire_lock(KEYS[0], "t1") == "acquired"
+        assert await other.acquire_lock(KEYS[0], "t2") == "held"
+        assert 0 < await redis_client.pttl(f"{key_prefix}lock:{KEYS[0]}") <= 5000
+        await other.release_lock(KEYS[0], "t2")  # not its lock: no effect
+        assert await other.acquire_lock(KEYS[0], "t2") == "held"
+        await store.release_lock(KEYS[0], "t1")
+        assert await other.acquire_lock(KEYS[0], "t2") == "acquired"
+    finally:
+        await other.close()
+
+
+async def test_unavailable_redis_degrades_silently(caplog: pytest.LogCaptureFixture) -> None:
+    store = RedisStore("redis://user:s3cret@127.0.0.1:1/0", "p:", ttl_s=60, lock_ttl_s=5)
+    caplog.set_level(logging.WARNING)
+    try:
+        assert await store.longest(KEYS, 30) is None
+        assert await store.lookup_all(KEYS, 30) == []
+        assert await store.get(KEYS[0]) is None
+        await store.put(KEYS[0], summary(1))
+        assert await store.acquire_lock(KEYS[0], "t") == "unavailable"
+        await store.release_lock(KEYS[0], "t")
+    finally:
+        await store.close()
+    assert store.available is False
+    assert store.errors == 1  # later calls were skipped during the retry-after window
+    assert store.last_error == "ConnectionError"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "s3cret" not in caplog.text and "user" not in caplog.text
+    assert "127.0.0.1:1" in caplog.text
+
+
+async def test_outage_retry_after_and_recovery(
+    key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    store = RedisStore(REDIS_URL, key_prefix, ttl_s=60, lock_ttl_s=5, clock=clock)
+    log = CommandLog(store._client)
+    caplog.set_level(logging.WARNING)
+    try:
+        await store.put(KEYS[0], summary(1))
+        log.down = True
+        assert await store.longest(KEYS, 30) is None
+        assert (store.available, store.errors) == (False, 1)
+        calls = len(log.names)
+        assert await store.longest(KEYS, 30) is None  # within retry-after: not even tried
+        assert len(log.names) == calls
+        clock.now += 2.5
+        assert await store.longest(KEYS, 30) is None
+        assert store.errors == 2
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+        log.down = False
+        clock.now += 2.5
+        assert await store.longest(KEYS, 30) == summary(1)
+        assert store.available
+    finally:
+        await store.close()
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://u:pw@h:6380/2") == "redis://h:6380/2"
+    assert redact_url("rediss://:pw@h/0") == "rediss://h/0"
+
+
+async def test_silent_server_times_out_quickly() -> None:
+    # A server that accepts and never answers: the socket timeout bounds the stall (no retry).
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = RedisStore(
+        f"redis://127.0.0.1:{port}/0", "p:", ttl_s=60, lock_ttl_s=5, socket_timeout_s=0.2
+    )
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        assert await store.longest(KEYS, 30) is None
+        elapsed = loop.time() - started
+    finally:
+        await store.close()
+        server.close()
+        await server.wait_closed()
+    assert store.errors == 1 and store.last_error == "TimeoutError"
+    assert elapsed < 1.0

@@ -1,0 +1,276 @@
+"""The summary store in the request path (issue 5): reuse, extend, isolation, single flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import shutil
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import respx
+from starlette.applications import Starlette
+
+from proxy.app import create_app
+from tests.agent_sim import TOOLS, agent_turns
+from tests.conftest import make_settings
+from tests.upstream_fakes import FakeUpstream, summary_of
+
+BUDGET = 2000
+
+
+def settings_for(**cache: Any) -> Any:
+    return make_settings(compaction={"budget_tokens": BUDGET}, cache=cache)
+
+
+async def open_client(app: Starlette) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
+
+
+@pytest.fixture
+def fake(upstream: respx.MockRouter) -> FakeUpstream:
+    return FakeUpstream(numbered=True).install(upstream)
+
+
+@pytest.fixture
+async def memory_client() -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings_for(backend="memory"))
+    async with await open_client(app) as client:
+        yield client
+
+
+async def send(client: httpx.AsyncClient, messages: list[dict[str, Any]], key: str = "sk-a") -> httpx.Response:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-4o-mini", "messages": messages, "tools": TOOLS},
+        headers={"authorization": f"Bearer {key}"},
+    )
+    assert response.status_code == 200
+    return response
+
+
+async def test_agent_loop_pays_for_few_summaries_and_keeps_the_prefix_stable(
+    memory_client: httpx.AsyncClient, fake: FakeUpstream
+) -> None:
+    statuses: list[str] = []
+    for history in agent_turns(100):
+        response = await send(memory_client, history)
+        statuses.append(response.headers["x-compaction-status"])
+        if statuses[-1] in ("compacted", "extended", "reused"):
+            assert int(response.headers["x-compaction-tokens-after"]) <= BUDGET
+
+    over = [s for s in statuses if s != "passthrough"]
+    assert len(over) > 60, statuses
+    assert "skipped" not in over and "failed" not in over
+    assert len(fake.summary_calls) == statuses.count("compacted") + statuses.count("extended")
+    assert len(fake.summary_calls) <= len(over) // 4, (len(fake.summary_calls), len(over))
+    assert statuses.count("reused") >= len(over) * 3 // 4
+    assert statuses.count("compacted") == 1  # every later summary extends a stored one
+
+    # Between two summarizer calls, each forwarded request extends the previous one:
+    # identical bytes through the summary, and the tail only grows.
+    compacted_turns = [i for i, s in enumerate(statuses) if s != "passthrough"]
+    forwarded = fake.forwarded
+    stable_pairs = 0
+    for a, b in zip(compacted_turns, compacted_turns[1:], strict=False):
+        if statuses[b] != "reused":
+            continue
+        first, second = forwarded[a]["messages"], forwarded[b]["messages"]
+        assert summary_of(first) == summary_of(second)
+        assert second[: len(first)] == first
+        stable_pairs += 1
+    assert stable_pairs >= len(over) * 3 // 4
+
+
+async def test_reuse_reports_zero_summary_cost_and_cache_hit(
+    memory_client: httpx.AsyncClient, fake: FakeUpstream
+) -> None:
+    history = agent_turns(40)[-1]
+    first = await send(memory_client, history)
+    assert first.headers["x-compaction-status"] == "compacted"
+    assert first.headers["x-compaction-cache"] == "miss"
+    again = await send(memory_client, history)
+    assert again.headers["x-compaction-status"] == "reused"
+    assert again.headers["x-compaction-cache"] == "hit"
+    assert again.headers["x-compaction-summary-input-tokens"] == "0"
+    assert again.headers["x-compaction-summary-output-tokens"] == "0"
+    assert len(fake.summary_calls) == 1
+    assert fake.forwarded_raw[0] == fake.forwarded_raw[1]  # identical bytes upstream
+
+
+async def test_edited_history_misses_and_resummarizes(
+    memory_client: httpx.AsyncClient, fake: FakeUpstream
+) -> None:
+    history = agent_turns(40)[-1]
+    await send(memory_client, history)
+    edited = [dict(m) for m in history]
+    edited[3] = {**edited[3], "content": "an edited tool output"}
+    response = await send(memory_client, edited)
+    assert response.headers["x-compaction-status"] == "compacted"
+    assert response.headers["x-compaction-cache"] == "miss"
+    assert len(fake.summary_calls) == 2
+
+
+async def test_credentials_never_share_summaries(
+    memory_client: httpx.AsyncClient, fake: FakeUpstream
+) -> None:
+    history = agent_turns(40)[-1]
+    await send(memory_client, history, key="sk-tenant-a")
+    other = await send(memory_client, history, key="sk-tenant-b")
+    assert other.headers["x-compaction-status"] == "compacted"
+    assert other.headers["x-compaction-cache"] == "miss"
+    assert len(fake.summary_calls) == 2
+
+
+async def test_global_scope_shares_summaries(fake: FakeUpstream) -> None:
+    app = create_app(settings_for(backend="memory", scope="global"))
+    async with await open_client(app) as client:
+        history = agent_turns(40)[-1]
+        await send(client, history, key="sk-tenant-a")
+        other = await send(client, history, key="sk-tenant-b")
+    assert other.headers["x-compaction-status"] == "reused"
+    assert len(fake.summary_calls) == 1
+
+
+@pytest.mark.parametrize("backend", ["none", "memory"])
+async def test_concurrent_identical_requests_make_one_summary(
+    upstream: respx.MockRouter, backend: str
+) -> None:
+    fake = FakeUpstream(gate=asyncio.Event()).install(upstream)
+    app = create_app(settings_for(backend=backend))
+    flight = app.state.proxy.compactor.planner.flight.local
+    history = agent_turns(40)[-1]
+    async with await open_client(app) as client:
+        tasks = [asyncio.create_task(send(client, history)) for _ in range(20)]
+        async with asyncio.timeout(10):
+            while flight.waiting() < 20:  # condition wait: every request joined the flight
+                await asyncio.sleep(0.01)
+        assert fake.gate is not None
+        fake.gate.set()
+        responses = await asyncio.gather(*tasks)
+    assert len(fake.summary_calls) == 1
+    statuses = sorted(r.headers["x-compaction-status"] for r in responses)
+    assert statuses == ["compacted"] + ["reused"] * 19
+    assert len({json.dumps(f["messages"]) for f in fake.forwarded}) == 1
+
+
+async def test_disconnected_waiter_does_not_cancel_the_shared_summary(
+    upstream: respx.MockRouter,
+) -> None:
+    fake = FakeUpstream(gate=asyncio.Event()).install(upstream)
+    app = create_app(settings_for(backend="memory"))
+    flight = app.state.proxy.compactor.planner.flight.local
+    history = agent_turns(40)[-1]
+    async with await open_client(app) as client:
+        leaving = asyncio.create_task(send(client, history))
+        staying = asyncio.create_task(send(client, history))
+        async with asyncio.timeout(10):
+            while flight.waiting() < 2:
+                await asyncio.sleep(0.01)
+        leaving.cancel()
+        async with asyncio.timeout(10):
+            while flight.waiting() > 1:
+                await asyncio.sleep(0.01)
+        assert fake.gate is not None
+        fake.gate.set()
+        response = await staying
+    assert response.headers["x-compaction-status"] == "compacted"
+    assert len(fake.summary_calls) == 1
+
+
+# -- Redis --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    import redis
+
+    prefix = f"test-path-{secrets.token_hex(6)}:"
+    yield prefix
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    keys = list(client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+async def test_two_instances_share_summaries_through_redis(
+    fake: FakeUpstream, redis_prefix: str
+) -> None:
+    settings = settings_for(backend="redis", key_prefix=redis_prefix)
+    history = agent_turns(40)[-1]
+    first_app, second_app = create_app(settings), create_app(settings)
+    async with await open_client(first_app) as first, await open_client(second_app) as second:
+        made = await send(first, history)
+        found = await send(second, history)
+    assert made.headers["x-compaction-status"] == "compacted"
+    assert found.headers["x-compaction-status"] == "reused"
+    assert found.headers["x-compaction-cache"] == "hit"
+    assert len(fake.summary_calls) == 1
+    assert fake.forwarded_raw[0] == fake.forwarded_raw[1]
+    await first_app.state.proxy.compactor.store.close()
+    await second_app.state.proxy.compactor.store.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def private_redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A Redis of our own, so the test can stop it without touching the shared one."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = _free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    import redis
+
+    probe = redis.Redis(port=port)
+    for _ in range(200):  # bounded wait for the server to accept connections
+        try:
+            probe.ping()
+            break
+        except redis.ConnectionError:
+            if process.poll() is not None:
+                pytest.fail("redis-server exited at start")
+            import time
+
+            time.sleep(0.02)
+    probe.close()
+    yield f"redis://127.0.0.1:{port}/0", process
+    process.kill()
+    process.wait()
+
+
+async def test_redis_outage_degrades_to_no_store(
+    fake: FakeUpstream, private_redis: tuple[str, subprocess.Popen[bytes]]
+) -> None:
+    url, process = private_redis
+    app = create_app(settings_for(backend="redis", redis_url=url))
+    sessions = agent_turns(40)
+    async with await open_client(app) as client:
+        made = await send(client, sessions[-2])
+        assert made.headers["x-compaction-cache"] == "miss"
+        process.kill()
+        process.wait()
+        after = await send(client, sessions[-1])
+        metrics = (await client.get("/metrics")).text
+    assert after.headers["x-compaction-status"] == "compacted"
+    assert after.headers["x-compaction-cache"] == "none"
+    assert len(fake.forwarded) == 2
+    assert "compaction_proxy_store_errors_total" in metrics
+    errors = [l for l in metrics.splitlines() if l.startswith("compaction_proxy_store_errors_total")]
+    assert float(errors[0].split()[-1]) >= 1
+
