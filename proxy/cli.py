@@ -92,9 +92,9 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def uvicorn_speedups() -> dict[str, str]:
+def uvicorn_speedups() -> dict[str, Any]:
     """uvloop and httptools when installed (uvicorn[standard] brings them)."""
-    kwargs: dict[str, str] = {}
+    kwargs: dict[str, Any] = {}
     try:
         import uvloop  # noqa: F401
 

@@ -55,11 +55,17 @@ class Control:
 
 
 # Client headers the summarizer call carries over: who pays, and with which key.
-SUMMARIZER_HEADERS = frozenset({"authorization", "api-key", "openai-organization", "openai-project"})
+SUMMARIZER_HEADERS = frozenset(
+    {"authorization", "api-key", "openai-organization", "openai-project"}
+)
 
 
 def summarizer_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
     return {name.lower(): value for name, value in headers if name.lower() in SUMMARIZER_HEADERS}
+
+
+def _last_user(messages: list[Message]) -> Message | None:
+    return next((m for m in reversed(messages) if m.get("role") == "user"), None)
 
 
 def model_of(body: dict[str, Any]) -> str:
@@ -93,7 +99,7 @@ class Compactor:
         client_headers: dict[str, str],
         request_id: str,
     ) -> Outcome:
-        """`client_headers`: the client's credential and billing headers (see SUMMARIZER_HEADERS)."""
+        """`client_headers`: the client's credential and billing headers (SUMMARIZER_HEADERS)."""
         started = time.perf_counter()
         config = self.settings.compaction
         model = model_of(body)
@@ -122,11 +128,24 @@ class Compactor:
 
         messages: list[Message] = body["messages"]
         summarizer_model = config.summarizer.model or model
+        force = control.mode == "force"
         compaction = self.compaction_for(summarizer_model)
         prepared = compaction.prepare(messages, custom_instruction=config.custom_instruction)
-        if prepared.compact_message is None:
+        carry: Message | None = None
+        if config.keep_last_user_message and not force and (
+            not prepared.to_compact or self.kept_tokens(body, prepared, None) > budget
+        ):
+            # Agent loop: everything since the latest user message is over budget. Cut where
+            # SimpleCompaction would without that rule, and carry the user message verbatim
+            # right after the summary, so the latest ask still reaches the model word for word.
+            loop_compaction = self.compaction_for(summarizer_model, keep_last_user_message=False)
+            loop = loop_compaction.prepare(messages, custom_instruction=config.custom_instruction)
+            last_user = _last_user(messages)
+            if any(m is last_user for m in loop.to_compact):
+                compaction, prepared, carry = loop_compaction, loop, last_user
+        if not prepared.to_compact:
             outcome.status, outcome.reason = "skipped", "nothing_to_compact"
-        elif control.mode != "force" and self.kept_tokens(model, body, prepared) > budget:
+        elif not force and self.kept_tokens(body, prepared, carry) > budget:
             # Pinned + tools + tail alone are over budget: a summary cannot help.
             outcome.status, outcome.reason = "skipped", "preserved_over_budget"
         else:
@@ -137,7 +156,8 @@ class Compactor:
                 outcome,
                 summarizer_model,
                 client_headers,
-                force=control.mode == "force",
+                force=force,
+                carry=carry,
             )
 
     async def compact(
@@ -149,6 +169,7 @@ class Compactor:
         summarizer_model: str,
         client_headers: dict[str, str],
         force: bool,
+        carry: Message | None,
     ) -> None:
         config = self.settings.compaction
         model = model_of(body)
@@ -168,6 +189,7 @@ class Compactor:
                 count=count,
                 count_text=lambda text: self.counter.count_text(model, text),
                 custom_instruction=config.custom_instruction,
+                carry=carry,
             )
         except SummarizerError as error:
             outcome.status, outcome.reason = "failed", error.reason
@@ -207,11 +229,15 @@ class Compactor:
             custom_instruction=config.custom_instruction,
         )
 
-    def compaction_for(self, summarizer_model: str) -> SimpleCompaction:
+    def compaction_for(
+        self, summarizer_model: str, *, keep_last_user_message: bool | None = None
+    ) -> SimpleCompaction:
         config = self.settings.compaction
+        if keep_last_user_message is None:
+            keep_last_user_message = config.keep_last_user_message
         return SimpleCompaction(
             config.max_preserved_messages,
-            keep_last_user_message=config.keep_last_user_message,
+            keep_last_user_message=keep_last_user_message,
             summary_role=config.summary_role,
             max_message_tokens=config.summarizer.max_message_tokens,
             summarizer_context_tokens=config.summarizer.context_tokens,
@@ -241,9 +267,12 @@ class Compactor:
             breaker=self.breaker,
         )
 
-    def kept_tokens(self, model: str, body: dict[str, Any], prepared: Prepared) -> int:
+    def kept_tokens(
+        self, body: dict[str, Any], prepared: Prepared, carry: Message | None
+    ) -> int:
         """What the forwarded request would cost even with an empty summary."""
-        kept = [*prepared.pinned, *prepared.to_preserve]
+        model = model_of(body)
+        kept = [*prepared.pinned, *([carry] if carry is not None else []), *prepared.to_preserve]
         return self.counter.count_messages(model, kept) + self.counter.count_tools(model, body)
 
     def log(self, outcome: Outcome, model: str, request_id: str, seconds: float) -> None:

@@ -43,7 +43,7 @@ class Metrics:
         )
         self.prompt_tokens = Counter(
             "compaction_proxy_prompt_tokens",
-            "Prompt tokens counted by the proxy, as sent by clients (before) and as forwarded (after).",
+            "Prompt tokens counted: as clients sent them (before), as forwarded (after).",
             ["stage"],
             registry=self.registry,
         )
@@ -64,7 +64,9 @@ class Metrics:
         self.chat_requests.labels(outcome.status).inc()
         if outcome.tokens_before is not None:
             self.prompt_tokens.labels("before").inc(outcome.tokens_before)
-            after = outcome.tokens_after if outcome.tokens_after is not None else outcome.tokens_before
+            after = (
+                outcome.tokens_after if outcome.tokens_after is not None else outcome.tokens_before
+            )
             self.prompt_tokens.labels("after").inc(after)
         self.summarizer_tokens.labels("input").inc(outcome.usage.input_tokens)
         self.summarizer_tokens.labels("output").inc(outcome.usage.output_tokens)

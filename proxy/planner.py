@@ -58,8 +58,14 @@ class SummaryPlanner:
         count: CountMessages,
         count_text: Callable[[str], int],
         custom_instruction: str = "",
+        carry: Message | None = None,
     ) -> Plan:
-        """Raises SummarizerError when a summary had to be made and could not be."""
+        """Raises SummarizerError when a summary had to be made and could not be.
+
+        `carry`: a message inside the compacted span (the latest user message, in agent
+        loops) that is forwarded verbatim right after the summary whenever the summary
+        covers it.
+        """
         pinned = prepared.pinned
         rest = [*prepared.to_compact, *prepared.to_preserve]
         cut = len(prepared.to_compact)
@@ -67,8 +73,11 @@ class SummaryPlanner:
         stored = await self.store.lookup_all(keys, cut)
         cache = "miss" if self.store.available else "none"
 
+        carry_at = next((i for i, m in enumerate(rest) if m is carry), len(rest))
+
         def forward(summary: str, length: int) -> list[Message]:
-            return [*pinned, compaction.summary_message(summary), *rest[length:]]
+            carried = [rest[carry_at]] if carry_at < length else []
+            return [*pinned, compaction.summary_message(summary), *carried, *rest[length:]]
 
         for entry in stored:
             if force and entry.length != cut:

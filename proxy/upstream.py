@@ -23,6 +23,10 @@ log = logging.getLogger("proxy.upstream")
 RequestContent = bytes | AsyncIterator[bytes]
 
 
+class UpstreamBrokeOff(Exception):
+    """The upstream failed after the reply had started; the client connection is aborted."""
+
+
 class Upstream:
     """The upstream API behind the proxy: one base URL, one shared pooled client."""
 
@@ -50,13 +54,10 @@ class Upstream:
 
         The body is left unread (`stream=True`); the caller relays it and must close it.
         """
-        request = self.client.build_request(
-            method,
-            self.url_for(path, query),
-            headers=headers,
-            content=content,
-            timeout=self.timeout,
-        )
+        # A bare Request, not client.build_request: the client's default headers (Accept,
+        # Accept-Encoding, User-Agent) would be added to what the client sent.
+        request = httpx.Request(method, self.url_for(path, query), headers=headers, content=content)
+        request.extensions["timeout"] = self.timeout.as_dict()
         try:
             return await self.client.send(request, stream=True)
         except httpx.TimeoutException as exc:
@@ -77,8 +78,7 @@ class Upstream:
         if isinstance(exc, httpx.TimeoutException):
             return ProxyError(
                 504,
-                f"The upstream {self.host} did not answer in time "
-                f"(timeout {self.timeout.read}s).",
+                f"The upstream {self.host} did not answer in time (timeout {self.timeout.read}s).",
                 type="upstream_error",
                 code="upstream_timeout",
             )
@@ -118,8 +118,11 @@ async def _relay_body(upstream: httpx.Response, host: str) -> AsyncIterator[byte
         async for chunk in upstream.aiter_raw():
             yield chunk
     except httpx.HTTPError as exc:
-        # Status and headers are already sent: all we can do is end the body early.
+        # Status and headers are already sent. Ending the body cleanly would pass a truncated
+        # reply off as complete; raising makes the server abort the connection instead, so
+        # the client sees the failure exactly as it would talking to the upstream directly.
         log.warning("upstream %s failed mid-response: %s", host, type(exc).__name__)
+        raise UpstreamBrokeOff(f"upstream {host} broke off the response") from exc
     finally:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,13 @@ def make_settings(**sections: Any) -> Settings:
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
     return Settings.model_validate(data)
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Wait for a condition another task will make true (bounded; fails the test after 10 s)."""
+    async with asyncio.timeout(10):
+        while not predicate():  # noqa: ASYNC110 - polls state owned by the code under test
+            await asyncio.sleep(0.005)
 
 
 @pytest.fixture

@@ -30,11 +30,21 @@ TOOLS = [
 def conversation(turns: int = 12, words: int = 120) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
     for i in range(turns):
-        messages.append({"role": "user", "content": f"turn {i}: " + "please refactor the parser " * (words // 4)})
         messages.append(
-            {"role": "assistant", "content": f"done {i}: " + "I changed the tokenizer module " * (words // 5)}
+            {
+                "role": "user",
+                "content": f"turn {i}: " + "please refactor the parser " * (words // 4),
+            }
         )
-    messages.append({"role": "user", "content": "What is the state now?", "x_vendor_field": {"keep": True}})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": f"done {i}: " + "I changed the tokenizer module " * (words // 5),
+            }
+        )
+    messages.append(
+        {"role": "user", "content": "What is the state now?", "x_vendor_field": {"keep": True}}
+    )
     return messages
 
 
@@ -177,7 +187,12 @@ async def test_breaker_stops_calling_a_failing_summarizer(upstream: respx.MockRo
         for _ in range(4):
             response = await client.post("/v1/chat/completions", json=request_body())
             reasons.append(response.headers["x-compaction-reason"])
-        assert reasons == ["summarizer_http_500", "summarizer_http_500", "circuit_open", "circuit_open"]
+        assert reasons == [
+            "summarizer_http_500",
+            "summarizer_http_500",
+            "circuit_open",
+            "circuit_open",
+        ]
         assert len(fake.summary_calls) == 2
         assert len(fake.forwarded) == 4
 
@@ -200,7 +215,9 @@ async def test_off_header_disables_and_force_compacts_under_budget(
     assert fake.summary_calls == []
 
     small = {"model": "gpt-4o", "messages": conversation(turns=3, words=8)}
-    response = await client.post("/v1/chat/completions", json=small, headers={"x-compaction": "force"})
+    response = await client.post(
+        "/v1/chat/completions", json=small, headers={"x-compaction": "force"}
+    )
     assert response.headers["x-compaction-status"] == "compacted"
     assert len(fake.summary_calls) == 1
 
@@ -233,7 +250,9 @@ async def test_no_progress_guard_skips_when_tail_alone_is_over_budget(
 ) -> None:
     messages = conversation(turns=4, words=8)
     messages[-1] = {"role": "user", "content": "huge paste " * 2000}
-    response = await client.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": messages})
+    response = await client.post(
+        "/v1/chat/completions", json={"model": "gpt-4o", "messages": messages}
+    )
     assert response.headers["x-compaction-status"] == "skipped"
     assert response.headers["x-compaction-reason"] == "preserved_over_budget"
     assert fake.summary_calls == []
@@ -242,7 +261,9 @@ async def test_no_progress_guard_skips_when_tail_alone_is_over_budget(
 
 async def test_summary_role_is_configurable(upstream: respx.MockRouter) -> None:
     fake = FakeUpstream().install(upstream)
-    async for client in app_client(compaction={"summary_role": "system"}, cache={"backend": "none"}):
+    async for client in app_client(
+        compaction={"summary_role": "system"}, cache={"backend": "none"}
+    ):
         await client.post("/v1/chat/completions", json=request_body())
     summary = summary_of(fake.forwarded[0]["messages"])
     assert summary is not None and summary["role"] == "system"
@@ -251,9 +272,13 @@ async def test_summary_role_is_configurable(upstream: respx.MockRouter) -> None:
 async def test_summarizer_settings_override_model_and_key(upstream: respx.MockRouter) -> None:
     fake = FakeUpstream().install(upstream)
     summarizer = {"model": "gpt-4.1-nano", "api_key": "sk-summarizer"}
-    async for client in app_client(compaction={"summarizer": summarizer}, cache={"backend": "none"}):
+    async for client in app_client(
+        compaction={"summarizer": summarizer}, cache={"backend": "none"}
+    ):
         await client.post(
-            "/v1/chat/completions", json=request_body(), headers={"authorization": "Bearer sk-client"}
+            "/v1/chat/completions",
+            json=request_body(),
+            headers={"authorization": "Bearer sk-client"},
         )
     assert fake.summary_calls[0]["model"] == "gpt-4.1-nano"
     assert fake.summary_requests[0].headers["authorization"] == "Bearer sk-summarizer"
@@ -265,7 +290,9 @@ async def test_compaction_log_line_has_no_content(
 ) -> None:
     caplog.set_level("INFO", logger="proxy.compaction")
     await client.post(
-        "/v1/chat/completions", json=request_body(), headers={"authorization": "Bearer sk-secret-key"}
+        "/v1/chat/completions",
+        json=request_body(),
+        headers={"authorization": "Bearer sk-secret-key"},
     )
     lines = [r.getMessage() for r in caplog.records if r.name == "proxy.compaction"]
     assert len(lines) == 1

@@ -18,7 +18,11 @@ REPLY = {
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "the answer"}}],
     "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
 }
-SSE = b'data: {"choices":[{"delta":{"content":"the"}}]}\n\ndata: {"choices":[{"delta":{"content":" answer"}}]}\n\ndata: [DONE]\n\n'
+SSE = (
+    b'data: {"choices":[{"delta":{"content":"the"}}]}\n\n'
+    b'data: {"choices":[{"delta":{"content":" answer"}}]}\n\n'
+    b"data: [DONE]\n\n"
+)
 
 
 def is_summarizer_call(body: dict[str, Any]) -> bool:

@@ -12,7 +12,8 @@ by what the summarizer would see and splice stored summaries without calling any
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 
 from proxy.compaction.prompt import PROMPT_VERSION, SUMMARY_MARKER, SYSTEM_PROMPT, compact_prompt
 from proxy.compaction.protocol import (
@@ -47,14 +48,21 @@ class Prepared:
     """Where the history is cut, and the summarizer's input for the compacted span.
 
     `compact_message` is the whole span unfolded; when it exceeds the summarizer's window,
-    `summarize_span` sends it in chunks instead.
+    `summarize_span` sends it in chunks instead. It is rendered on first access: a request
+    served from the summary store only needs the cut, and rendering a long history costs more
+    than everything else the request path does.
     """
 
     pinned: list[Message]  # leading system/developer messages, kept in place
     to_compact: list[Message]  # messages[len(pinned):cut]
     to_preserve: list[Message]  # messages[cut:]
     cut: int  # absolute index into the input list
-    compact_message: Message | None  # the summarizer's user message (None: nothing to do)
+    render: Callable[[], Message] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def compact_message(self) -> Message | None:
+        """The summarizer's user message (None: nothing to do)."""
+        return self.render() if self.render is not None else None
 
 
 class SimpleCompaction:
@@ -90,8 +98,9 @@ class SimpleCompaction:
     # -- pure parts ---------------------------------------------------------------------------
 
     def prepare(self, messages: list[Message], *, custom_instruction: str = "") -> Prepared:
-        """Cut the history; build the summarizer's message for the part before the cut."""
-        return self._prepare(messages, custom_instruction)[0]
+        """Cut the history; the summarizer's message for the part before the cut is built on
+        first access to `compact_message`."""
+        return self._split(messages, custom_instruction)
 
     def render(
         self,
@@ -145,7 +154,7 @@ class SimpleCompaction:
     ) -> CompactionResult:
         """Summarize the prefix and return pinned + summary + tail. SummarizerError propagates."""
         prepared, bodies = self._prepare(messages, custom_instruction)
-        if prepared.compact_message is None:
+        if not prepared.to_compact:
             return CompactionResult(messages=list(messages))
         summary, chunks = await self._fold(summarizer, bodies, None, custom_instruction, None)
         return CompactionResult(
@@ -161,18 +170,24 @@ class SimpleCompaction:
     def _prepare(
         self, messages: Sequence[Message], custom_instruction: str
     ) -> tuple[Prepared, list[Body]]:
+        """The cut, and (lazily) the summarizer's message; `compact` wants the bodies too."""
+        prepared = self._split(messages, custom_instruction)
+        return prepared, self._bodies(prepared.to_compact) if prepared.to_compact else []
+
+    def _split(self, messages: Sequence[Message], custom_instruction: str) -> Prepared:
         start = 0
         while start < len(messages) and message_role(messages[start]) in _PINNED_ROLES:
             start += 1
         pinned = list(messages[:start])
         cut = self._cut(messages, start)
         if cut <= start:
-            return Prepared(pinned, [], list(messages[start:]), start, None), []
+            return Prepared(pinned, [], list(messages[start:]), start)
         to_compact = list(messages[start:cut])
-        bodies = self._bodies(to_compact)
-        compact_message: Message = {"role": "user", "content": compose(bodies, custom_instruction)}
-        prepared = Prepared(pinned, to_compact, list(messages[cut:]), cut, compact_message)
-        return prepared, bodies
+        render = partial(self._compact_message, to_compact, custom_instruction)
+        return Prepared(pinned, to_compact, list(messages[cut:]), cut, render)
+
+    def _compact_message(self, span: list[Message], custom_instruction: str) -> Message:
+        return {"role": "user", "content": compose(self._bodies(span), custom_instruction)}
 
     def _cut(self, messages: Sequence[Message], start: int) -> int:
         """Index of the first preserved message; <= start means nothing to compact."""

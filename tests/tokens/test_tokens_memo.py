@@ -1,0 +1,190 @@
+"""The per-message memo and the thread pool: repeated histories cost (almost) nothing."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from proxy.tokens import TokenCounter, chat
+
+CounterFactory = Callable[..., TokenCounter]
+
+
+def agent_history(turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
+    for turn in range(turns):
+        call_id = f"call_{turn}"
+        messages += [
+            {"role": "user", "content": f"step {turn}: fix the bug in module_{turn}.py " * 20},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": "read", "arguments": json.dumps({"n": turn})},
+                    }
+                ],
+            },
+            {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": f"def f_{turn}():\n    pass\n" * 80,
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": f"done {turn} 完成"}]},
+        ]
+    return messages
+
+
+def fresh(value: Any) -> Any:
+    """A new request's objects: same content, no shared strings or cached hashes."""
+    return json.loads(json.dumps(value))
+
+
+def test_counting_a_history_twice_tokenizes_nothing_the_second_time(counter: TokenCounter) -> None:
+    history = agent_history(30)
+    body = {"model": "gpt-4o", "messages": history, "tools": [{"function": {"name": "read"}}]}
+    first = counter.count_request(fresh(body))
+    calls = counter.encode_calls
+    assert calls > 0
+    assert counter.count_request(fresh(body)) == first
+    assert counter.encode_calls == calls
+
+
+def test_one_new_message_costs_one_message(counter: TokenCounter) -> None:
+    history = agent_history(30)
+    before = counter.count_messages("gpt-4o", fresh(history))
+    calls = counter.encode_calls
+    new = {"role": "user", "content": "and now the tests"}
+    after = counter.count_messages("gpt-4o", fresh([*history, new]))
+    assert counter.encode_calls - calls == 2  # its role and its content
+    assert after == before + counter.count_message("gpt-4o", new)
+
+
+def test_key_order_does_not_matter_for_flat_messages(counter: TokenCounter) -> None:
+    counter.count_message("gpt-4o", {"role": "user", "content": "same words"})
+    calls = counter.encode_calls
+    counter.count_message("gpt-4o", {"content": "same words", "role": "user"})
+    assert counter.encode_calls == calls
+
+
+def test_same_content_for_another_encoding_is_counted_again(counter: TokenCounter) -> None:
+    message = {"role": "user", "content": "tokenizers differ"}
+    counter.count_message("gpt-4o", message)
+    calls = counter.encode_calls
+    counter.count_message("gpt-4", message)
+    assert counter.encode_calls > calls
+    calls = counter.encode_calls
+    counter.count_message("gpt-4o-2024-08-06", message)  # same profile as gpt-4o: a hit
+    assert counter.encode_calls == calls
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (
+            {"role": "user", "content": [{"type": "text", "text": "1"}]},
+            {"role": "user", "content": [{"type": "text", "text": "2"}]},
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}],
+            },
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": {"x": True}}}],
+            },
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}],
+            },
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1.0}}}],
+            },
+        ),
+    ],
+)
+def test_different_content_never_shares_a_count(
+    counter: TokenCounter, a: dict[str, Any], b: dict[str, Any]
+) -> None:
+    counter.count_message("gpt-4o", a)
+    calls = counter.encode_calls
+    counter.count_message("gpt-4o", b)
+    assert counter.encode_calls > calls
+
+
+def test_memo_is_bounded(make_counter: CounterFactory) -> None:
+    counter = make_counter({"memo_max_entries": 10})
+    counter.count_messages("gpt-4o", agent_history(20))
+    assert len(counter._memo) == 10
+
+
+def test_big_texts_are_memoized_for_count_text(counter: TokenCounter) -> None:
+    text = "a long tool output line\n" * 2000
+    first = counter.count_text("gpt-4o", text)
+    calls = counter.encode_calls
+    assert counter.count_text("gpt-4o", "".join(["a long tool output line\n"] * 2000)) == first
+    assert counter.encode_calls == calls
+    # and a message carrying that text reuses it
+    counter.count_message("gpt-4o", {"role": "tool", "content": text})
+    assert counter.encode_calls == calls + 1  # only the role
+
+
+@pytest.fixture
+def threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Names of the threads that ran the chat formula."""
+    seen: set[str] = set()
+    real = chat.message_tokens
+
+    def spy(*args: Any) -> int:
+        seen.add(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(chat, "message_tokens", spy)
+    return seen
+
+
+async def test_async_count_equals_sync_and_uses_the_pool(
+    make_counter: CounterFactory, threads: set[str]
+) -> None:
+    body = {
+        "model": "gpt-4o",
+        "messages": agent_history(25),
+        "tools": [{"function": {"name": "x"}}],
+    }
+    pooled = make_counter({"offload_chars": 1000, "threads": 2})
+    expected = make_counter().count_request(fresh(body))
+    threads.clear()
+    assert await pooled.acount_request(fresh(body)) == expected
+    assert threads and all(name.startswith("tokens") for name in threads)
+    # the second time everything is a memo hit: nothing is computed anywhere
+    threads.clear()
+    assert await pooled.acount_request(fresh(body)) == expected
+    assert not threads
+
+
+async def test_small_requests_stay_on_the_loop(
+    make_counter: CounterFactory, threads: set[str]
+) -> None:
+    counter = make_counter()  # offload_chars 32768
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    assert await counter.acount_request(body) == 3 + 1 + 1 + 3
+    assert threads == {threading.current_thread().name}
+
+
+async def test_after_close_counting_still_works(make_counter: CounterFactory) -> None:
+    counter = make_counter({"offload_chars": 0})
+    body = {"model": "gpt-4o", "messages": agent_history(3)}
+    expected = counter.count_request(fresh(body))
+    counter.close()
+    counter.close()
+    assert await counter.acount_request(fresh(body)) == expected
