@@ -34,8 +34,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 def _too_large(limit: int) -> ProxyError:
     return ProxyError(
         413,
-        f"Request body is larger than this proxy accepts ({limit} bytes; "
-        "server.max_body_bytes).",
+        f"Request body is larger than this proxy accepts ({limit} bytes; server.max_body_bytes).",
         code="request_too_large",
     )
 

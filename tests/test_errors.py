@@ -10,7 +10,9 @@ from proxy.app import create_app
 from tests.conftest import make_settings
 
 
-def assert_envelope(response: httpx.Response, status: int, param: str | None = None) -> dict[str, object]:
+def assert_envelope(
+    response: httpx.Response, status: int, param: str | None = None
+) -> dict[str, object]:
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -41,7 +43,11 @@ def assert_envelope(response: httpx.Response, status: int, param: str | None = N
     ],
 )
 async def test_bad_chat_bodies_are_400_with_envelope(
-    client: httpx.AsyncClient, upstream: respx.MockRouter, raw: bytes, param: str | None, fragment: str
+    client: httpx.AsyncClient,
+    upstream: respx.MockRouter,
+    raw: bytes,
+    param: str | None,
+    fragment: str,
 ) -> None:
     route = upstream.post("/chat/completions").respond(json={})
     response = await client.post("/v1/chat/completions", content=raw)
@@ -53,7 +59,10 @@ async def test_bad_chat_bodies_are_400_with_envelope(
 
 @pytest.mark.parametrize(
     ("headers", "param"),
-    [({"x-compaction": "sometimes"}, "x-compaction"), ({"x-compaction-budget": "-5"}, "x-compaction-budget")],
+    [
+        ({"x-compaction": "sometimes"}, "x-compaction"),
+        ({"x-compaction-budget": "-5"}, "x-compaction-budget"),
+    ],
 )
 async def test_bad_control_headers_are_400(
     client: httpx.AsyncClient, upstream: respx.MockRouter, headers: dict[str, str], param: str
@@ -89,7 +98,8 @@ async def test_upstream_unreachable_is_502_naming_host(
 ) -> None:
     upstream.post("/chat/completions").mock(side_effect=httpx.ConnectError("connection refused"))
     response = await client.post(
-        "/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+        "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
     )
     error = assert_envelope(response, 502)
     assert "upstream.test" in str(error["message"])

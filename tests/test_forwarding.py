@@ -48,7 +48,8 @@ async def test_upstream_headers_and_status_relayed(
         },
     )
     response = await client.post(
-        "/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+        "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
     )
     assert response.status_code == 429
     assert response.json()["error"]["message"] == "slow down"
@@ -63,7 +64,8 @@ async def test_upstream_500_relayed_verbatim(
 ) -> None:
     upstream.post("/chat/completions").respond(500, content=b"upstream exploded")
     response = await client.post(
-        "/v1/chat/completions", json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+        "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
     )
     assert response.status_code == 500
     assert response.content == b"upstream exploded"
@@ -110,7 +112,9 @@ async def test_request_id_added_when_missing_and_kept_when_sent(
     assert generated.startswith("req_")
     assert response.headers["x-request-id"] == generated
 
-    response = await client.post("/v1/chat/completions", json=body, headers={"x-request-id": "mine"})
+    response = await client.post(
+        "/v1/chat/completions", json=body, headers={"x-request-id": "mine"}
+    )
     assert route.calls.last.request.headers["x-request-id"] == "mine"
     assert response.headers["x-request-id"] == "mine"
 
@@ -228,7 +232,11 @@ def test_reencode_keeps_every_other_field() -> None:
 
     body = {"model": "m", "messages": [{"role": "user", "content": "a"}], "x": {"y": [1, "é"]}}
     out = json.loads(reencode(body, [{"role": "user", "content": "b"}]))
-    assert out == {"model": "m", "messages": [{"role": "user", "content": "b"}], "x": {"y": [1, "é"]}}
+    assert out == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "b"}],
+        "x": {"y": [1, "é"]},
+    }
     assert list(out) == ["model", "messages", "x"]
 
 

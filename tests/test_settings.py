@@ -99,7 +99,10 @@ def test_serve_with_bad_config_prints_one_line_and_exits_2(tmp_path: Path) -> No
 
 def test_help_documents_configuration() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "proxy.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0
     assert "COMPACTION_PROXY_" in result.stdout
