@@ -73,9 +73,18 @@ def upstream_request_headers(
     return result
 
 
+# The server in front of the app (uvicorn) writes its own Date; relaying the upstream's too
+# would send two.
+_RESPONSE_RECOMPUTED = frozenset({"date"})
+
+
 def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> Headers:
     """Headers to relay back: end-to-end ones, verbatim (the body is relayed byte for byte)."""
-    return _end_to_end(upstream_headers)
+    return [
+        (name, value)
+        for name, value in _end_to_end(upstream_headers)
+        if name.lower() not in _RESPONSE_RECOMPUTED
+    ]
 
 
 def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
