@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Any
 
+import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -33,33 +34,35 @@ async def chat_completions(request: Request) -> Response:
     ]
     request_id = request_id_of(client_headers)
     outcome = Outcome()
-    try:
-        raw = await read_body(request, state.settings.server.max_body_bytes)
-        body = parse_chat_body(raw)
-        control = parse_control(request)
-        outcome = await cancel_on_disconnect(
-            request.receive,
-            lambda: state.compactor.run(
-                body,
-                control,
-                client_headers=summarizer_headers(client_headers),
-                request_id=request_id,
-            ),
+    overhead_ms = 0.0
+
+    async def compact_and_forward(body: dict[str, Any], raw: bytes) -> httpx.Response:
+        """Everything that waits on someone else, so one disconnect watcher covers it all."""
+        nonlocal outcome, overhead_ms
+        outcome = await state.compactor.run(
+            body,
+            parse_control(request),
+            client_headers=summarizer_headers(client_headers),
+            request_id=request_id,
         )
         content = raw if outcome.messages is None else reencode(body, outcome.messages)
         headers = upstream_request_headers(
             client_headers, request_id=request_id, api_key=state.upstream.api_key
         )
         overhead_ms = (time.perf_counter() - started) * 1000
+        return await state.upstream.open(
+            "POST",
+            "chat/completions",
+            headers=headers,
+            content=content,
+            query=request.scope.get("query_string", b""),
+        )
+
+    try:
+        raw = await read_body(request, state.settings.server.max_body_bytes)
+        body = parse_chat_body(raw)
         response = await cancel_on_disconnect(
-            request.receive,
-            lambda: state.upstream.open(
-                "POST",
-                "chat/completions",
-                headers=headers,
-                content=content,
-                query=request.scope.get("query_string", b""),
-            ),
+            request.receive, lambda: compact_and_forward(body, raw)
         )
     except ProxyError as exc:
         return exc.response(_response_headers(outcome, started, request_id))

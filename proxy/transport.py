@@ -1,10 +1,251 @@
-"""The one pooled HTTP client the app uses towards the upstream (and the summarizer)."""
+"""The one pooled HTTP client the app uses towards the upstream (and the summarizer).
+
+httpx is the API; the wire is aiohttp. On every request httpcore's pool walks all its
+connections (an O(n^2) idle count, a poll() per idle socket), so a plain httpx relay loses
+about two thirds of its throughput from concurrency 1 to 64; aiohttp's connector does not.
+Numbers and the other options measured: bench/README.md, `python -m bench.transports`.
+
+`UpstreamTransport` is an `httpx.AsyncBaseTransport` that sends with aiohttp and maps its
+errors onto httpx's (refused -> ConnectError; connect/read/pool timeouts -> ConnectTimeout,
+ReadTimeout, PoolTimeout). httpx's write timeout has no aiohttp counterpart and is not
+applied; `max_keepalive_connections` is not enforced (idle ones expire after keepalive_expiry).
+Mocks keep working untouched: `respx.mock(using="httpx")` patches the client, and while
+httpcore's pool or httpx's transport is patched (respx's default mode, pytest-httpx, mock),
+requests go through a stock `httpx.AsyncHTTPTransport`, so the mock sees them.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import httpcore
 import httpx
+from yarl import URL
 
 from proxy.settings import UpstreamSettings
+
+# aiohttp adds these when absent; a proxy must send only what it was given.
+_SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+_LARGE_BODY = 1 << 20  # aiohttp warns on bytes bodies above 1 MiB; BytesIO is sent in chunks
+_HTTP_11 = {"http_version": b"HTTP/1.1"}
+
+
+def _mocked() -> bool:
+    """True while something (respx, pytest-httpx, unittest.mock) patches httpx's own stack."""
+    pool = httpcore.AsyncConnectionPool.handle_async_request
+    transport = httpx.AsyncHTTPTransport.handle_async_request
+    return (
+        getattr(pool, "__module__", None) != "httpcore._async.connection_pool"
+        or getattr(transport, "__module__", None) != "httpx._transports.default"
+    )
+
+
+@contextlib.contextmanager
+def _map_errors(*, sending: bool) -> Iterator[None]:
+    """aiohttp -> httpx exceptions. Subclasses first: the first matching clause wins."""
+    try:
+        yield
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise httpx.ConnectTimeout(str(exc) or "connect timeout") from exc
+    except aiohttp.SocketTimeoutError as exc:
+        raise httpx.ReadTimeout(str(exc) or "read timeout") from exc
+    except aiohttp.ClientConnectorError as exc:  # refused, DNS, TLS
+        raise httpx.ConnectError(str(exc)) from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+        raise httpx.RemoteProtocolError(str(exc) or "server disconnected") from exc
+    except aiohttp.ClientResponseError as exc:  # unparsable response
+        raise httpx.RemoteProtocolError(exc.message) from exc
+    except aiohttp.ClientConnectionResetError as exc:
+        raise httpx.WriteError(str(exc)) from exc
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        error = httpx.WriteError if sending else httpx.ReadError
+        raise error(str(exc) or type(exc).__name__) from exc
+    except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
+        raise httpx.UnsupportedProtocol(str(exc)) from exc
+    except aiohttp.ClientError as exc:
+        raise httpx.TransportError(str(exc) or type(exc).__name__) from exc
+
+
+class _NoCookies(httpx.Cookies):
+    """A shared client keeps no upstream cookies: one user's would go to the next.
+
+    (Also skips httpx's per-response cookie parsing, ~15% of the client's CPU per request.)
+    """
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+
+class _ResponseStream(httpx.AsyncByteStream):
+    """The body as it arrives; closing before the end closes the upstream connection."""
+
+    def __init__(self, response: aiohttp.ClientResponse, slot: asyncio.Semaphore) -> None:
+        self._response = response
+        self._slot: asyncio.Semaphore | None = slot
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        reader = self._response.content
+        with _map_errors(sending=False):
+            while True:
+                try:
+                    chunk = await reader.readany()
+                except aiohttp.ClientError:
+                    # readany() raises a stored failure before returning what it had already
+                    # buffered; hand those last bytes over first, as a direct client gets them.
+                    buffered = _buffered(reader)
+                    if buffered:
+                        yield buffered
+                    raise
+                if not chunk:
+                    return
+                yield chunk
+
+    async def aclose(self) -> None:
+        if self._slot is None:
+            return
+        self._slot.release()
+        self._slot = None
+        if self._response.content.at_eof():
+            self._response.release()  # back to the pool
+        else:
+            self._response.close()  # abort: the upstream sees the connection drop
+
+
+def _buffered(reader: aiohttp.StreamReader) -> bytes:
+    """Bytes received but not yet read, without the stored-exception check (private API)."""
+    read_nowait = getattr(reader, "_read_nowait", None)
+    if read_nowait is None:
+        return b""
+    try:
+        data = read_nowait(-1)
+    except Exception:
+        return b""
+    return data if isinstance(data, bytes) else b""
+
+
+def _retire(session: aiohttp.ClientSession) -> None:
+    """Drop a session whose event loop is gone (or not ours), without awaiting in it."""
+    connector = session.connector
+    session.detach()  # marks it closed: no "Unclosed client session" warning
+    if connector is not None:
+        with contextlib.suppress(RuntimeError):  # a closed loop cannot schedule anything
+            connector._close()  # sync part of close(): closes its sockets
+
+
+class UpstreamTransport(httpx.AsyncBaseTransport):
+    def __init__(self, limits: httpx.Limits) -> None:
+        self._limits = limits
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._fallback: httpx.AsyncHTTPTransport | None = None
+        self._timeouts: dict[tuple[Any, ...], aiohttp.ClientTimeout] = {}
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # the pool limit is `self._slots`, to raise PoolTimeout, not ConnectTimeout
+            keepalive_timeout=self._limits.keepalive_expiry,
+            ssl=httpx.create_ssl_context(),
+        )
+        self._slots = asyncio.Semaphore(self._limits.max_connections or 1 << 30)
+        return aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=_SKIP_AUTO_HEADERS,
+            auto_decompress=False,  # aiter_raw() is the wire bytes; httpx decodes the rest
+            timeout=aiohttp.ClientTimeout(),
+            max_line_size=65536,
+            max_field_size=65536,
+        )
+
+    def _timeout(self, timeouts: dict[str, float | None]) -> aiohttp.ClientTimeout:
+        key = (timeouts.get("connect"), timeouts.get("read"))
+        timeout = self._timeouts.get(key)
+        if timeout is None:  # DNS + TCP + TLS under `connect`; each socket read under `read`
+            timeout = aiohttp.ClientTimeout(connect=key[0], sock_connect=key[0], sock_read=key[1])
+            if len(self._timeouts) >= 64:
+                self._timeouts.clear()
+            self._timeouts[key] = timeout
+        return timeout
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if _mocked():
+            if self._fallback is None:
+                self._fallback = httpx.AsyncHTTPTransport(limits=self._limits)
+            return await self._fallback.handle_async_request(request)
+
+        session = self._session
+        loop = asyncio.get_running_loop()
+        if session is None or session.closed or self._loop is not loop:
+            # Lazily, in the running loop: the app builds its client before the loop starts,
+            # and in-process tests may run it in more than one loop.
+            if session is not None:
+                _retire(session)
+            session = self._session = self._new_session()
+            self._loop = loop
+        slots = self._slots
+        assert slots is not None
+        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        if slots.locked():
+            try:
+                async with asyncio.timeout(timeouts.get("pool")):
+                    await slots.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("no free connection to the upstream") from None
+        else:
+            await slots.acquire()
+
+        # Names as the caller wrote them; aiohttp sets Transfer-Encoding itself for streams.
+        encoding = request.headers.encoding
+        headers = [
+            (k.decode(encoding), v.decode(encoding))
+            for k, v in request.headers.raw
+            if k.lower() != b"transfer-encoding"
+        ]
+        stream = request.stream
+        data: Any
+        if isinstance(stream, httpx.ByteStream):
+            data = request.content or None
+            if data is not None and len(data) > _LARGE_BODY:
+                data = io.BytesIO(data)
+        else:
+            data = stream  # an async iterable; aiohttp sends it chunked (or by Content-Length)
+        try:
+            with _map_errors(sending=True):
+                response = await session.request(
+                    request.method,
+                    URL(str(request.url), encoded=True),
+                    headers=headers,
+                    data=data,
+                    allow_redirects=False,
+                    timeout=self._timeout(timeouts),
+                    server_hostname=request.extensions.get("sni_hostname"),
+                )
+        except BaseException:
+            slots.release()
+            raise
+        extensions = _HTTP_11
+        if response.reason:
+            extensions = {**_HTTP_11, "reason_phrase": response.reason.encode("latin-1")}
+        return httpx.Response(
+            response.status,
+            headers=response.raw_headers,
+            stream=_ResponseStream(response, slots),
+            extensions=extensions,
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._fallback is not None:
+            await self._fallback.aclose()
+            self._fallback = None
 
 
 def create_upstream_client(settings: UpstreamSettings) -> httpx.AsyncClient:
@@ -15,4 +256,11 @@ def create_upstream_client(settings: UpstreamSettings) -> httpx.AsyncClient:
         keepalive_expiry=settings.keepalive_expiry_s,
     )
     timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, follow_redirects=False)
+    client = httpx.AsyncClient(
+        transport=UpstreamTransport(limits),
+        limits=limits,  # for the proxy transports httpx mounts from HTTP(S)_PROXY
+        timeout=timeout,
+        follow_redirects=False,
+    )
+    client._cookies = _NoCookies()  # the `cookies` setter would copy it into a plain Cookies
+    return client

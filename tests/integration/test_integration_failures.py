@@ -51,13 +51,6 @@ def test_upstream_dying_mid_stream_is_an_error_for_the_client(
     assert isinstance(error, httpx.RemoteProtocolError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="proxy/transport.py _ResponseStream.__aiter__: aiohttp's StreamReader.readany() "
-    "raises the stored payload error before returning the bytes it has already buffered, so "
-    "what the upstream sent just before the connection broke is dropped",
-)
 async def test_transport_delivers_bytes_received_before_the_connection_broke(
     upstream_url: str, fake_upstream: FakeUpstream
 ) -> None:

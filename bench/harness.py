@@ -1,0 +1,170 @@
+"""Shared plumbing for the benchmarks: servers in subprocesses, the load generator, tables.
+
+Placement on this 2-core box (when there are >= 2 CPUs): the server under test (relay or
+proxy) is pinned to CPU 0, the upstream and the load generator share CPU 1. The upstream +
+load generator pair does ~60k small req/s on its own, so the server under test is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# BENCH_PIN: "split" (default: server CPU 0, upstream + load generator CPU 1), "one" (all
+# on CPU 0: no cross-CPU wake-ups, everything serialised), "off" (the scheduler decides).
+PIN = os.environ.get("BENCH_PIN", "split")
+PINNED = PIN != "off" and len(os.sched_getaffinity(0)) >= 2 and os.path.exists("/usr/bin/taskset")
+SERVER_CPU, CLIENT_CPU = ("0", "0") if PIN == "one" else ("0", "1")
+
+
+def _pin(cpu: str, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", cpu, *cmd] if PINNED else cmd
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"server on port {port} did not listen within {timeout}s")
+
+
+@dataclass
+class Server:
+    port: int
+    pid: int
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux), for CPU time per request: robust to a noisy box."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Run `cmd` (pinned to the server CPU) until the block ends."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.Popen(_pin(SERVER_CPU, cmd), env=full_env, cwd=ROOT)
+    try:
+        _wait_listening(port, proc)
+        yield Server(port, proc.pid)  # taskset execs, so this is the server's own pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def upstream(kind: str = "fast") -> Iterator[int]:
+    """The upstream, pinned next to the load generator (not next to the server).
+
+    kind "fast": bench/upstream.py (HTTP/1.1); "hypercorn": the same answers over HTTP/1.1
+    and h2c from hypercorn (slower; only to compare HTTP/2 with HTTP/1.1 on one upstream).
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.upstream", "--port", str(port)]
+    if kind == "hypercorn":
+        bind = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "hypercorn", "bench.upstream:asgi_app", "--bind", bind]
+    proc = subprocess.Popen(_pin(CLIENT_CPU, cmd), cwd=ROOT)
+    try:
+        _wait_listening(port, proc)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def uvicorn_cmd(app: str, port: int, server_kind: str) -> list[str]:
+    """server_kind: "uvloop" (loop=uvloop, http=httptools) or "asyncio" (loop=asyncio, http=h11)."""
+    loop, http = ("uvloop", "httptools") if server_kind == "uvloop" else ("asyncio", "h11")
+    return [
+        sys.executable, "-m", "uvicorn", "--factory", app, "--host", "127.0.0.1",
+        "--port", str(port), "--loop", loop, "--http", http, "--no-access-log",
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+@dataclass
+class Result:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    cpu_us: float = float("nan")  # server CPU time per request, microseconds
+
+
+def load(
+    port: int,
+    concurrency: int,
+    body: str,
+    stream: bool,
+    duration: float,
+    warmup: float,
+    server_pid: int | None = None,
+) -> Result:
+    cmd = [
+        sys.executable, "-m", "bench.loadgen", "--port", str(port),
+        "--concurrency", str(concurrency), "--body", body,
+        "--duration", str(duration), "--warmup", str(warmup),
+    ]  # fmt: skip
+    if stream:
+        cmd.append("--stream")
+    cpu0 = cpu_seconds(server_pid) if server_pid else float("nan")
+    out = subprocess.run(
+        _pin(CLIENT_CPU, cmd), cwd=ROOT, capture_output=True, text=True, check=True,
+        timeout=duration + warmup + 60,
+    )  # fmt: skip
+    data = json.loads(out.stdout)
+    cpu = cpu_seconds(server_pid) - cpu0 if server_pid else float("nan")
+    cpu_us = cpu / max(data["total"], 1) * 1e6
+    return Result(data["rps"], data["p50_ms"], data["p99_ms"], data["errors"], cpu_us)
+
+
+def median_result(results: Sequence[Result]) -> Result:
+    """Per-metric median over repeats (repeats are interleaved across targets)."""
+    return Result(
+        statistics.median(r.rps for r in results),
+        statistics.median(r.p50_ms for r in results),
+        statistics.median(r.p99_ms for r in results),
+        sum(r.errors for r in results),
+        statistics.median(r.cpu_us for r in results),
+    )
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"
+    print(line)
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) + " |")
+    sys.stdout.flush()

@@ -1,0 +1,165 @@
+"""Closed-loop HTTP/1.1 load generator: raw asyncio + httptools on uvloop, keep-alive.
+
+`concurrency` connections each send one request, wait for the complete response, repeat.
+Latency = request write -> last byte of the response (for SSE: after `data: [DONE]`).
+Prints one JSON object: requests/s and latency percentiles over the measured window.
+
+Run: python -m bench.loadgen --port 8000 --concurrency 16 --body small --stream
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+import typing
+
+import httptools
+
+PATH = "/v1/chat/completions"
+_WORDS_TEXT = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which "
+    "but have an they you were her she there been one all we their has would when if so no will "
+    "more can about said what out up other into some them time only new could these two may first "
+    "then do any like my now over such our man me even most made after also did many before must "
+    "through back years where much your way well compaction proxy upstream latency request "
+    "response stream token budget summary history message assistant function argument value"
+)
+_WORDS = _WORDS_TEXT.split()
+
+
+def chat_body(kind: str, stream: bool) -> bytes:
+    """`small`: two short messages. `30k`: ~30k tokens (~120 KB) of English-like history."""
+    if kind == "small":
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Say hello."},
+        ]
+    else:
+        rng = random.Random(30_000)
+        words = _WORDS
+        messages = [{"role": "system", "content": "You are a helpful assistant."}]
+        for i in range(25):
+            text = " ".join(rng.choice(words) for _ in range(1_200))
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+        messages.append({"role": "user", "content": "Say hello."})
+    return json.dumps({"model": "gpt-4o-mini", "messages": messages, "stream": stream}).encode()
+
+
+def build_request(host: str, port: int, body: bytes) -> bytes:
+    head = (
+        f"POST {PATH} HTTP/1.1\r\nHost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer sk-bench\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+class ClientProtocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[int] | None = None
+        self.lost = asyncio.get_running_loop().create_future()
+        self.nbytes = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = typing.cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("connection lost"))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_exception(exc)
+
+    def on_body(self, body: bytes) -> None:
+        self.nbytes += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(self.parser.get_status_code())
+
+    async def roundtrip(self, request: bytes) -> int:
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.nbytes = 0
+        self.transport.write(request)
+        return await self.waiter
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    loop = asyncio.get_running_loop()
+    request = build_request(args.host, args.port, chat_body(args.body, args.stream))
+    latencies: list[float] = []
+    errors = 0
+    total = 0  # every completed request, warm-up included (for CPU time per request)
+    start = time.perf_counter() + args.warmup
+    end = start + args.duration
+
+    async def worker() -> None:
+        nonlocal errors, total
+        proto: ClientProtocol | None = None
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                break
+            if proto is None or proto.lost.done():
+                _, proto = await loop.create_connection(ClientProtocol, args.host, args.port)
+            t0 = time.perf_counter()
+            try:
+                status = await proto.roundtrip(request)
+            except (ConnectionError, httptools.HttpParserError):
+                status = -1
+                proto = None
+            t1 = time.perf_counter()
+            total += 1
+            if start <= t0 and t1 <= end:
+                if status == 200:
+                    latencies.append(t1 - t0)
+                else:
+                    errors += 1
+        if proto is not None and proto.transport is not None:
+            proto.transport.close()
+
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    latencies.sort()
+    n = len(latencies)
+
+    def pct(p: float) -> float:
+        return latencies[min(n - 1, int(p * n))] * 1000 if n else float("nan")
+
+    return {
+        "requests": n,
+        "errors": errors,
+        "total": total,
+        "rps": n / args.duration,
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--body", choices=["small", "30k"], default="small")
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--duration", type=float, default=3.0)
+    parser.add_argument("--warmup", type=float, default=0.5)
+    args = parser.parse_args()
+    import uvloop
+
+    print(json.dumps(uvloop.run(run(args))))
+
+
+if __name__ == "__main__":
+    main()
