@@ -72,7 +72,7 @@ async def chat_completions(request: Request) -> Response:
     extra = outcome.headers(overhead_ms)
     if "x-request-id" not in response.headers:
         extra["x-request-id"] = request_id
-    return state.upstream.relay(response, extra)
+    return await state.upstream.relay(response, extra)
 
 
 def _response_headers(outcome: Outcome, started: float, request_id: str) -> dict[str, str]:

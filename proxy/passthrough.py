@@ -60,4 +60,4 @@ async def passthrough(request: Request) -> Response:
         log.info("client disconnected before the upstream answered request_id=%s", request_id)
         return Response(status_code=499)
     extra = {} if "x-request-id" in response.headers else {"x-request-id": request_id}
-    return state.upstream.relay(response, extra)
+    return await state.upstream.relay(response, extra)

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import anyio
 import httpx
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from proxy.errors import ProxyError
 from proxy.headers import Headers, client_response_headers
@@ -21,6 +21,9 @@ from proxy.settings import UpstreamSettings
 log = logging.getLogger("proxy.upstream")
 
 RequestContent = bytes | AsyncIterator[bytes]
+
+# Replies up to this size with a Content-Length are read whole before answering (see relay).
+WHOLE_REPLY_BYTES = 256 * 1024
 
 
 class UpstreamBrokeOff(Exception):
@@ -90,26 +93,45 @@ class Upstream:
             code="upstream_unreachable",
         )
 
-    def relay(
+    async def relay(
         self, upstream: httpx.Response, extra_headers: Mapping[str, str] | None = None
-    ) -> StreamingResponse:
-        """Stream the upstream's reply to the client, byte for byte, closing it when done.
+    ) -> Response:
+        """The upstream's reply for the client, byte for byte; the upstream response is closed.
 
-        If the client disconnects, Starlette cancels the body iterator and the `finally`
-        closes the upstream response, which aborts the upstream connection.
+        A small reply of known length (a typical non-streaming completion) is read whole and
+        sent as one response: its bytes are already on their way, and it spares a streaming
+        task per request. Anything else is streamed as it arrives: if the client disconnects,
+        Starlette cancels the body iterator and the `finally` closes the upstream response,
+        which aborts the upstream connection.
         """
         headers = client_response_headers(upstream.headers.multi_items())
         content_type = upstream.headers.get("content-type", "")
         extra = dict(extra_headers or {})
-        if content_type.startswith("text/event-stream"):
+        streaming = content_type.startswith("text/event-stream")
+        if streaming:
             extra.setdefault("cache-control", "no-cache")
             extra.setdefault("x-accel-buffering", "no")
         names = {name.lower() for name in extra}
         headers = [(k, v) for k, v in headers if k.lower() not in names] + list(extra.items())
-        response = StreamingResponse(_relay_body(upstream, self.host), upstream.status_code)
-        response.raw_headers = [
+        raw_headers = [
             (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers
         ]
+        length = upstream.headers.get("content-length", "")
+        response: Response
+        if not streaming and length.isdigit() and int(length) <= WHOLE_REPLY_BYTES:
+            try:
+                body = b"".join([chunk async for chunk in _relay_body(upstream, self.host)])
+            except UpstreamBrokeOff as exc:
+                return ProxyError(
+                    502,
+                    f"The upstream {self.host} broke off its reply: {exc.__cause__}",
+                    type="upstream_error",
+                    code="upstream_broke_off",
+                ).response(extra)
+            response = Response(body, upstream.status_code)
+        else:
+            response = StreamingResponse(_relay_body(upstream, self.host), upstream.status_code)
+        response.raw_headers = raw_headers
         return response
 
 

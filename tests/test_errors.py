@@ -122,3 +122,23 @@ async def test_passthrough_unreachable_is_502(
     upstream.post("/embeddings").mock(side_effect=httpx.ConnectError("refused"))
     response = await client.post("/v1/embeddings", json={"input": "x"})
     assert_envelope(response, 502)
+
+
+async def test_upstream_breaking_off_a_small_reply_is_502(
+    client: httpx.AsyncClient, upstream: respx.MockRouter
+) -> None:
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            yield b'{"id": "chatcmpl'
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+    upstream.post("/chat/completions").respond(
+        200, headers={"content-length": "100", "content-type": "application/json"}, stream=Broken()
+    )
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
+    )
+    error = assert_envelope(response, 502)
+    assert "upstream.test" in str(error["message"])
+    assert response.headers["x-compaction-status"] == "passthrough"
