@@ -109,7 +109,7 @@ def uvicorn_cmd(app: str, port: int, server_kind: str) -> list[str]:
     return [
         sys.executable, "-m", "uvicorn", "--factory", app, "--host", "127.0.0.1",
         "--port", str(port), "--loop", loop, "--http", http, "--no-access-log",
-        "--log-level", "warning",
+        "--no-proxy-headers", "--no-server-header", "--log-level", "warning",
     ]  # fmt: skip
 
 

@@ -87,6 +87,8 @@ def serve_command(args: argparse.Namespace) -> int:
         log_level=settings.server.log_level,
         access_log=settings.server.log_level == "debug",
         server_header=False,
+        # X-Forwarded-* rewriting of the client address: unused here, and a layer per request.
+        proxy_headers=False,
         **uvicorn_speedups(),
     )
     return 0

@@ -132,17 +132,6 @@ class Settings(BaseSettings):
     compaction: CompactionSettings = CompactionSettings()
     cache: CacheSettings = CacheSettings()
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
-
 
 class ConfigError(Exception):
     """A configuration problem, worded for one line on stderr."""
