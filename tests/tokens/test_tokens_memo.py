@@ -66,6 +66,28 @@ def test_one_new_message_costs_one_message(counter: TokenCounter) -> None:
     assert after == before + counter.count_message("gpt-4o", new)
 
 
+def test_extending_a_counted_request_reuses_its_sum_and_stays_exact(
+    make_counter: CounterFactory,
+) -> None:
+    counter, reference = make_counter(), make_counter()
+    history = agent_history(20)
+    counter.count_messages("gpt-4o", fresh(history))
+    grown = [*history, {"role": "user", "content": "next"}, {"role": "assistant", "content": "ok"}]
+    assert counter.count_messages("gpt-4o", fresh(grown)) == reference.count_messages(
+        "gpt-4o", fresh(grown)
+    )
+    # An edited early message must not be served from the earlier list's sum.
+    edited = fresh(grown)
+    edited[2]["content"] = "a much longer replacement text for this step " * 30
+    assert counter.count_messages("gpt-4o", fresh(edited)) == reference.count_messages(
+        "gpt-4o", fresh(edited)
+    )
+    # Nor a shorter list (a prefix of a counted one).
+    assert counter.count_messages("gpt-4o", fresh(history[:-3])) == reference.count_messages(
+        "gpt-4o", fresh(history[:-3])
+    )
+
+
 def test_key_order_does_not_matter_for_flat_messages(counter: TokenCounter) -> None:
     counter.count_message("gpt-4o", {"role": "user", "content": "same words"})
     calls = counter.encode_calls
