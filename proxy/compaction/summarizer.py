@@ -9,6 +9,7 @@ dead summarizer costs a fast failure instead of a timeout per request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 import time
@@ -24,6 +25,7 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
 # Reasoning families reject max_tokens and want max_completion_tokens.
+log = logging.getLogger("proxy.compaction")
 _REASONING_MODEL = re.compile(r"^(o[1-9]\d*(?![a-z0-9])|gpt-5(?!\d))", re.IGNORECASE)
 _ERROR_SNIPPET_CHARS = 200
 _MAX_BACKOFF_S = 30.0
@@ -247,6 +249,10 @@ def _parse_reply(response: httpx.Response) -> Summary:
     text = strip_reasoning(content_text(content)) if content is not None else ""
     if not text:
         raise SummarizerError("summarizer_empty", "the summarizer's reply had no text")
+    choice = payload["choices"][0]
+    if isinstance(choice, dict) and choice.get("finish_reason") == "length":
+        # Kept (a cut summary beats none), but worth knowing: raise summary_max_tokens.
+        log.warning("summary cut off at compaction.summary_max_tokens (finish_reason=length)")
     return Summary(text, _usage(payload.get("usage")))
 
 

@@ -347,3 +347,27 @@ async def test_compact_through_the_upstream_summarizer(
     ]
     assert result.usage == Usage(120, 30)
     assert "## Message 3\nRole: user\nContent:\nsecond" in sent(route)["messages"][1]["content"]
+
+
+async def test_a_summary_cut_off_by_max_tokens_is_kept_and_logged(
+    http: httpx.AsyncClient,
+    mock: respx.MockRouter,
+    clock: FakeClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    body = {
+        "choices": [
+            {"message": {"role": "assistant", "content": "part of a"}, "finish_reason": "length"}
+        ],
+        "usage": {"prompt_tokens": 120, "completion_tokens": 2000},
+    }
+    mock.post(URL).mock(return_value=httpx.Response(200, json=body))
+    caplog.set_level("WARNING", logger="proxy.compaction")
+    summary = await make(http, clock).summarize(SYSTEM_PROMPT, USER)
+    assert summary.text == "part of a"
+    assert "summary_max_tokens" in caplog.text
+
+    caplog.clear()
+    mock.post(URL).mock(return_value=reply("a whole summary"))
+    await make(http, clock).summarize(SYSTEM_PROMPT, USER)
+    assert caplog.text == ""
