@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
-from proxy.errors import error_response
+from proxy.errors import ProxyError
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
 from proxy.settings import Settings
@@ -90,19 +90,19 @@ async def readyz(request: Request) -> Response:
 
 
 async def not_found(request: Request) -> Response:
-    return error_response(
+    return ProxyError(
         404,
         f"Unknown path {request.url.path!r}: this proxy serves the OpenAI API under /v1/ "
         "(set your client's base URL to http://HOST:PORT/v1).",
         code="unknown_url",
-    )
+    ).response()
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(
+    return ProxyError(
         500,
         "The proxy hit an internal error; see its log.",
         type="server_error",
         code="internal_error",
-    )
+    ).response()

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from proxy.compactor import Control, summarizer_headers
 from proxy.disconnect import cancel_on_disconnect
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
-from proxy.headers import request_id_of, upstream_request_headers
+from proxy.headers import client_headers_of, request_id_of, upstream_request_headers
 from proxy.report import Outcome
 from proxy.state import ProxyState
 from proxy.validation import parse_chat_body, read_body
@@ -29,9 +29,7 @@ log = logging.getLogger("proxy.chat")
 async def chat_completions(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
     started = time.perf_counter()
-    client_headers = [
-        (k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]
-    ]
+    client_headers = client_headers_of(request.scope)
     request_id = request_id_of(client_headers)
     outcome = Outcome()
     overhead_ms = 0.0
@@ -69,10 +67,7 @@ async def chat_completions(request: Request) -> Response:
     except ClientDisconnected:
         log.info("client disconnected before the upstream answered request_id=%s", request_id)
         return Response(status_code=499)
-    extra = outcome.headers(overhead_ms)
-    if "x-request-id" not in response.headers:
-        extra["x-request-id"] = request_id
-    return await state.upstream.relay(response, extra)
+    return await state.upstream.relay(response, request_id, outcome.headers(overhead_ms))
 
 
 def _response_headers(outcome: Outcome, started: float, request_id: str) -> dict[str, str]:

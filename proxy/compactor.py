@@ -109,7 +109,7 @@ class Compactor:
         if control.mode == "off" or not config.enabled:
             outcome.status = "off"
         elif tokens > budget or control.mode == "force":
-            await self.decide(body, control, outcome, client_headers)
+            await self.decide(body, control, budget, outcome, client_headers)
             self.log(outcome, model, request_id, time.perf_counter() - started)
         self.metrics.observe(outcome, time.perf_counter() - started)
         return outcome
@@ -118,13 +118,13 @@ class Compactor:
         self,
         body: dict[str, Any],
         control: Control,
+        budget: int,
         outcome: Outcome,
         client_headers: dict[str, str],
     ) -> None:
         """Over budget (or forced): skip when compaction can't help, else plan and compact."""
         config = self.settings.compaction
         model = model_of(body)
-        budget = outcome.budget or config.budget_tokens
 
         messages: list[Message] = body["messages"]
         summarizer_model = config.summarizer.model or model
@@ -132,8 +132,10 @@ class Compactor:
         compaction = self.compaction_for(summarizer_model)
         prepared = compaction.prepare(messages, custom_instruction=config.custom_instruction)
         carry: Message | None = None
-        if config.keep_last_user_message and not force and (
-            not prepared.to_compact or self.kept_tokens(body, prepared, None) > budget
+        if (
+            config.keep_last_user_message
+            and not force
+            and (not prepared.to_compact or self.kept_tokens(body, prepared, None) > budget)
         ):
             # Agent loop: everything since the latest user message is over budget. Cut where
             # SimpleCompaction would without that rule, and carry the user message verbatim
@@ -156,6 +158,7 @@ class Compactor:
                 outcome,
                 summarizer_model,
                 client_headers,
+                budget=budget,
                 force=force,
                 carry=carry,
             )
@@ -168,6 +171,7 @@ class Compactor:
         outcome: Outcome,
         summarizer_model: str,
         client_headers: dict[str, str],
+        budget: int,
         force: bool,
         carry: Message | None,
     ) -> None:
@@ -184,7 +188,7 @@ class Compactor:
                 self.summarizer_for(summarizer_model, client_headers),
                 scope=scope_for(credential_of(client_headers.items()), self.settings.cache.scope),
                 namespace=self.namespace(summarizer_model),
-                budget=outcome.budget or config.budget_tokens,
+                budget=budget,
                 force=force,
                 count=count,
                 count_text=lambda text: self.counter.count_text(model, text),
@@ -267,9 +271,7 @@ class Compactor:
             breaker=self.breaker,
         )
 
-    def kept_tokens(
-        self, body: dict[str, Any], prepared: Prepared, carry: Message | None
-    ) -> int:
+    def kept_tokens(self, body: dict[str, Any], prepared: Prepared, carry: Message | None) -> int:
         """What the forwarded request would cost even with an empty summary."""
         model = model_of(body)
         kept = [*prepared.pinned, *([carry] if carry is not None else []), *prepared.to_preserve]

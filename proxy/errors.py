@@ -32,31 +32,14 @@ class ProxyError(Exception):
         self.headers = dict(headers or {})
 
     def response(self, extra_headers: Mapping[str, str] | None = None) -> JSONResponse:
-        return error_response(
-            self.status,
-            self.message,
-            type=self.type,
-            param=self.param,
-            code=self.code,
-            headers={**(extra_headers or {}), **self.headers},
-        )
+        """The envelope; this error's own headers win over `extra_headers`."""
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        headers = {**(extra_headers or {}), **self.headers}
+        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
 
 
 class ClientDisconnected(Exception):
     """The client went away; there is nobody to answer."""
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ProxyError:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
+from starlette.types import Scope
+
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -85,6 +87,11 @@ def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> Head
         for name, value in _end_to_end(upstream_headers)
         if name.lower() not in _RESPONSE_RECOMPUTED
     ]
+
+
+def client_headers_of(scope: Scope) -> Headers:
+    """The client's request headers as text (ASGI gives latin-1 bytes)."""
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
 
 
 def request_id_of(headers: Iterable[tuple[str, str]]) -> str:

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from proxy.disconnect import cancel_on_disconnect
 from proxy.errors import ClientDisconnected, ProxyError
-from proxy.headers import request_id_of, upstream_request_headers
+from proxy.headers import client_headers_of, request_id_of, upstream_request_headers
 from proxy.state import ProxyState
 from proxy.upstream import RequestContent
 from proxy.validation import read_body
@@ -23,9 +23,7 @@ async def passthrough(request: Request) -> Response:
     """Relay any method and body. Bodies up to server.max_body_bytes are read first so that a
     client disconnect can cancel the upstream call; bigger uploads are streamed through."""
     state: ProxyState = request.app.state.proxy
-    client_headers = [
-        (k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]
-    ]
+    client_headers = client_headers_of(request.scope)
     request_id = request_id_of(client_headers)
     headers = upstream_request_headers(
         client_headers, request_id=request_id, api_key=state.upstream.api_key
@@ -59,5 +57,4 @@ async def passthrough(request: Request) -> Response:
     except ClientDisconnected:
         log.info("client disconnected before the upstream answered request_id=%s", request_id)
         return Response(status_code=499)
-    extra = {} if "x-request-id" in response.headers else {"x-request-id": request_id}
-    return await state.upstream.relay(response, extra)
+    return await state.upstream.relay(response, request_id)

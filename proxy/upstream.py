@@ -15,7 +15,7 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from proxy.errors import ProxyError
-from proxy.headers import Headers, client_response_headers
+from proxy.headers import REQUEST_ID, Headers, client_response_headers
 from proxy.settings import UpstreamSettings
 
 log = logging.getLogger("proxy.upstream")
@@ -63,8 +63,6 @@ class Upstream:
         request.extensions["timeout"] = self.timeout.as_dict()
         try:
             return await self.client.send(request, stream=True)
-        except httpx.TimeoutException as exc:
-            raise self.failure(exc) from None
         except httpx.HTTPError as exc:
             raise self.failure(exc) from None
 
@@ -94,7 +92,10 @@ class Upstream:
         )
 
     async def relay(
-        self, upstream: httpx.Response, extra_headers: Mapping[str, str] | None = None
+        self,
+        upstream: httpx.Response,
+        request_id: str,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> Response:
         """The upstream's reply for the client, byte for byte; the upstream response is closed.
 
@@ -107,6 +108,8 @@ class Upstream:
         headers = client_response_headers(upstream.headers.multi_items())
         content_type = upstream.headers.get("content-type", "")
         extra = dict(extra_headers or {})
+        if REQUEST_ID not in upstream.headers:  # the upstream's own id wins
+            extra[REQUEST_ID] = request_id
         streaming = content_type.startswith("text/event-stream")
         if streaming:
             extra.setdefault("cache-control", "no-cache")
