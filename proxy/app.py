@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -14,6 +15,7 @@ from starlette.routing import Route
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
 from proxy.errors import ProxyError
+from proxy.exchange import ExchangeMiddleware
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
 from proxy.settings import Settings
@@ -71,6 +73,7 @@ def create_app(
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],
+        middleware=[Middleware(ExchangeMiddleware, sinks=[])],
         exception_handlers={Exception: internal_error},
         lifespan=lifespan,
     )

@@ -7,8 +7,6 @@ Each step is a call into the module that owns it; this file is only the order of
 from __future__ import annotations
 
 import json
-import logging
-import time
 from typing import Any
 
 import httpx
@@ -16,64 +14,40 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.compactor import Control, summarizer_headers
-from proxy.disconnect import cancel_on_disconnect
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
-from proxy.headers import client_headers_of, request_id_of, upstream_request_headers
-from proxy.report import Outcome
-from proxy.state import ProxyState
+from proxy.exchange import Exchange
 from proxy.validation import parse_chat_body, read_body
-
-log = logging.getLogger("proxy.chat")
 
 
 async def chat_completions(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
-    started = time.perf_counter()
-    client_headers = client_headers_of(request.scope)
-    request_id = request_id_of(client_headers)
-    outcome = Outcome()
-    overhead_ms = 0.0
+    exchange = Exchange(request)
+    state = exchange.state
 
     async def compact_and_forward(body: dict[str, Any], raw: bytes) -> httpx.Response:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
-        nonlocal outcome, overhead_ms
-        outcome = await state.compactor.run(
-            body,
-            parse_control(request),
-            client_headers=summarizer_headers(client_headers),
-            request_id=request_id,
+        outcome = exchange.compacted(
+            await state.compactor.run(
+                body,
+                parse_control(request),
+                client_headers=summarizer_headers(exchange.client_headers),
+                request_id=exchange.request_id,
+            )
         )
         content = raw if outcome.messages is None else reencode(body, outcome.messages)
-        headers = upstream_request_headers(
-            client_headers, request_id=request_id, api_key=state.upstream.api_key
-        )
-        overhead_ms = (time.perf_counter() - started) * 1000
-        return await state.upstream.open(
-            "POST",
-            "chat/completions",
-            headers=headers,
-            content=content,
-            query=request.scope.get("query_string", b""),
+        return await exchange.open(
+            "POST", "chat/completions", headers=exchange.upstream_headers(), content=content
         )
 
     try:
         raw = await read_body(request, state.settings.server.max_body_bytes)
         body = parse_chat_body(raw)
-        response = await cancel_on_disconnect(
-            request.receive, lambda: compact_and_forward(body, raw)
-        )
+        exchange.describe(body)
+        response = await exchange.guard(lambda: compact_and_forward(body, raw))
     except ProxyError as exc:
-        return exc.response(_response_headers(outcome, started, request_id))
+        return exchange.error(exc, exchange.compaction_headers())
     except ClientDisconnected:
-        log.info("client disconnected before the upstream answered request_id=%s", request_id)
-        return Response(status_code=499)
-    return await state.upstream.relay(response, request_id, outcome.headers(overhead_ms))
-
-
-def _response_headers(outcome: Outcome, started: float, request_id: str) -> dict[str, str]:
-    headers = outcome.headers((time.perf_counter() - started) * 1000)
-    headers["x-request-id"] = request_id
-    return headers
+        return exchange.disconnected()
+    return await exchange.relay(response, exchange.compaction_headers())
 
 
 def parse_control(request: Request) -> Control:

@@ -7,7 +7,6 @@ included (`openai-*`, `x-ratelimit-*`, `x-request-id`), because SDKs read them.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 
 from starlette.types import Scope
@@ -92,13 +91,6 @@ def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> Head
 def client_headers_of(scope: Scope) -> Headers:
     """The client's request headers as text (ASGI gives latin-1 bytes)."""
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
-
-
-def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
-    for name, value in headers:
-        if name.lower() == REQUEST_ID and value:
-            return value
-    return f"req_{uuid.uuid4().hex}"
 
 
 def credential_of(headers: Iterable[tuple[str, str]]) -> str | None:

@@ -1,0 +1,232 @@
+"""One exchange: a client's HTTP request and the proxy's answer to it.
+
+`ExchangeMiddleware` opens a `Record` for every HTTP request, makes it current (a contextvar,
+so each log line the request causes can carry its request id), notes the status sent, and
+hands the finished record to its sinks (the access log, the metrics) once the response has
+gone out or the client has left. A record is a handful of slots filled in place: one small
+object per request, nothing to build or copy until a sink reads it.
+
+`Exchange` is what every route handler shares: the app's state, the client's headers, the
+request id, the upstream call (with its status and time to first byte noted on the record),
+error envelopes, and the 499 for a client that went away. Policy stays where it lives
+(compactor, headers, upstream); this module only carries the request through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from proxy.disconnect import cancel_on_disconnect
+from proxy.errors import ProxyError
+from proxy.headers import REQUEST_ID, Headers, client_headers_of, upstream_request_headers
+from proxy.report import Outcome
+from proxy.state import ProxyState
+from proxy.upstream import RequestContent
+
+log = logging.getLogger("proxy.exchange")
+
+T = TypeVar("T")
+
+_REQUEST_ID_BYTES = REQUEST_ID.encode("latin-1")
+
+
+@dataclass(slots=True)
+class Record:
+    """What the access log and the metrics know of one request; never content or secrets.
+
+    Times are seconds (`started` on the perf_counter clock). `None`: not known or not
+    applicable (no upstream call, no compaction step, the client left before an answer).
+    """
+
+    request_id: str
+    method: str
+    path: str  # without the query string
+    client: str | None
+    started: float
+    route: str = ""  # the matched route's template ("/v1/{path:path}"): bounded, for labels
+    status: int | None = None  # what the client was sent
+    model: str | None = None
+    stream: bool | None = None
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    compaction: str | None = None  # Outcome.status
+    compaction_reason: str | None = None
+    cache: str | None = None
+    upstream_status: int | None = None
+    upstream_ttfb_s: float | None = None
+    overhead_s: float | None = None  # arrival -> the upstream request went out
+    duration_s: float | None = None  # arrival -> last byte sent (or the client left)
+    key_id: str | None = None  # the proxy key that authorised the request, when keys are on
+
+
+_current: ContextVar[Record | None] = ContextVar("compaction_proxy_exchange", default=None)
+
+
+def current_record() -> Record | None:
+    """The record of the request this code runs for (None outside any request)."""
+    return _current.get()
+
+
+class ExchangeSink(Protocol):
+    """Told about each request: when it arrives, when its status goes out, when it is over."""
+
+    def started(self, record: Record) -> None: ...
+
+    def responding(self, record: Record) -> None: ...
+
+    def finished(self, record: Record) -> None: ...
+
+
+class ExchangeMiddleware:
+    """Opens, times and closes the record of each HTTP request (outermost in create_app)."""
+
+    def __init__(self, app: ASGIApp, sinks: Sequence[ExchangeSink] = ()) -> None:
+        self.app = app
+        self.sinks = tuple(sinks)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        record = Record(
+            request_id=_request_id(scope["headers"]),
+            method=scope["method"],
+            path=scope["path"],
+            client=f"{client[0]}:{client[1]}" if client else None,
+            started=time.perf_counter(),
+        )
+        sinks = self.sinks
+        token = _current.set(record)
+        for sink in sinks:
+            sink.started(record)
+
+        async def send_noting_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                for sink in sinks:
+                    sink.responding(record)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        except Exception:
+            if record.status is None:
+                record.status = 500  # answered by the server-error handler outside us
+            raise
+        finally:
+            route = scope.get("route")
+            record.route = getattr(route, "path", "") or "unmatched"
+            record.duration_s = time.perf_counter() - record.started
+            for sink in sinks:
+                sink.finished(record)
+            _current.reset(token)
+
+
+def _request_id(raw_headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The client's x-request-id (ASGI names are lower-case), else a fresh one."""
+    for name, value in raw_headers:
+        if name == _REQUEST_ID_BYTES and value:
+            return value.decode("latin-1")
+    return f"req_{uuid.uuid4().hex}"
+
+
+class Exchange:
+    """A route handler's view of its request. Build one at the top of the handler."""
+
+    __slots__ = ("client_headers", "outcome", "record", "request", "request_id", "state")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.state: ProxyState = request.app.state.proxy
+        self.client_headers: Headers = client_headers_of(request.scope)
+        record = _current.get()
+        if record is None:  # the app mounted without its middleware
+            request_id = _request_id(request.scope["headers"])
+            record = Record(request_id, request.method, request.url.path, None, time.perf_counter())
+        self.record = record
+        self.request_id = record.request_id
+        self.outcome: Outcome | None = None
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.record.started) * 1000
+
+    def describe(self, body: Mapping[str, Any]) -> None:
+        """Note the model asked for and whether the reply streams (from a parsed chat body)."""
+        model = body.get("model")
+        self.record.model = model if isinstance(model, str) else None
+        self.record.stream = body.get("stream") is True
+
+    def compacted(self, outcome: Outcome) -> Outcome:
+        """Keep the compaction step's outcome for the response headers and the record."""
+        self.outcome = outcome
+        record = self.record
+        record.tokens_before = outcome.tokens_before
+        record.tokens_after = (
+            outcome.tokens_after if outcome.tokens_after is not None else outcome.tokens_before
+        )
+        record.compaction = outcome.status
+        record.compaction_reason = outcome.reason
+        record.cache = outcome.cache
+        return outcome
+
+    def compaction_headers(self) -> dict[str, str]:
+        """The `x-compaction-*` headers; before the step ran they report a plain passthrough."""
+        outcome = self.outcome if self.outcome is not None else Outcome()
+        overhead = self.record.overhead_s
+        return outcome.headers(self.elapsed_ms() if overhead is None else overhead * 1000)
+
+    def upstream_headers(self) -> Headers:
+        return upstream_request_headers(
+            self.client_headers, request_id=self.request_id, api_key=self.state.upstream.api_key
+        )
+
+    async def open(
+        self, method: str, path: str, *, headers: Headers, content: RequestContent | None
+    ) -> httpx.Response:
+        """Send upstream (the client's query string kept); noting status and time to headers."""
+        record = self.record
+        sent = time.perf_counter()
+        record.overhead_s = sent - record.started
+        response = await self.state.upstream.open(
+            method,
+            path,
+            headers=headers,
+            content=content,
+            query=self.request.scope.get("query_string", b""),
+        )
+        record.upstream_status = response.status_code
+        record.upstream_ttfb_s = time.perf_counter() - sent
+        return response
+
+    async def guard(self, work: Callable[[], Awaitable[T]]) -> T:
+        """Run `work()`, cancelled if the client disconnects (raises ClientDisconnected).
+
+        Only once the body has been read: see proxy.disconnect.
+        """
+        return await cancel_on_disconnect(self.request.receive, work)
+
+    async def relay(
+        self, response: httpx.Response, extra_headers: Mapping[str, str] | None = None
+    ) -> Response:
+        return await self.state.upstream.relay(response, self.request_id, extra_headers)
+
+    def error(self, exc: ProxyError, extra_headers: Mapping[str, str] | None = None) -> Response:
+        """The error's envelope, with the request id (and any `extra_headers`)."""
+        return exc.response({**(extra_headers or {}), REQUEST_ID: self.request_id})
+
+    def disconnected(self) -> Response:
+        """The client left before the upstream answered: 499, for the log and the metrics."""
+        log.info("client disconnected before the upstream answered request_id=%s", self.request_id)
+        return Response(status_code=499)
