@@ -16,6 +16,7 @@ from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
 from proxy.errors import ProxyError
 from proxy.exchange import ExchangeMiddleware
+from proxy.logs import AccessLog
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
 from proxy.settings import Settings
@@ -73,7 +74,7 @@ def create_app(
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],
-        middleware=[Middleware(ExchangeMiddleware, sinks=[])],
+        middleware=[Middleware(ExchangeMiddleware, sinks=[AccessLog()])],
         exception_handlers={Exception: internal_error},
         lifespan=lifespan,
     )

@@ -29,8 +29,7 @@ async def chat_completions(request: Request) -> Response:
             await state.compactor.run(
                 body,
                 parse_control(request),
-                client_headers=summarizer_headers(exchange.client_headers),
-                request_id=exchange.request_id,
+                client_headers=summarizer_headers(exchange.client_headers, exchange.request_id),
             )
         )
         content = raw if outcome.messages is None else reencode(body, outcome.messages)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import logging.config
 import sys
 from typing import Any
 
 from proxy import __version__
-from proxy.settings import ConfigError, Settings, load_settings
+from proxy.settings import ConfigError, load_settings
 
 SERVE_HELP = """\
 Start the proxy. Configuration comes from, lowest to highest precedence: built-in defaults,
@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="server.log_level (default info)",
     )
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="server.log_format: text lines or one JSON object per line (default text)",
+    )
     serve.set_defaults(func=serve_command)
 
     from proxy.tokens import register_commands
@@ -57,7 +62,12 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     server = {
         key: value
-        for key, value in (("host", args.host), ("port", args.port), ("log_level", args.log_level))
+        for key, value in (
+            ("host", args.host),
+            ("port", args.port),
+            ("log_level", args.log_level),
+            ("log_format", args.log_format),
+        )
         if value is not None
     }
     if server:
@@ -71,10 +81,12 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.logs import log_config
     from proxy.tokens import TokenizerUnavailable
 
     settings = load_settings(args.config, serve_overrides(args))
-    configure_logging(settings)
+    logging_config = log_config(settings.server.log_level, settings.server.log_format)
+    logging.config.dictConfig(logging_config)
     try:
         app = create_app(settings)
     except TokenizerUnavailable as exc:
@@ -85,7 +97,8 @@ def serve_command(args: argparse.Namespace) -> int:
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level,
-        access_log=settings.server.log_level == "debug",
+        log_config=logging_config,
+        access_log=False,  # the proxy writes its own access line, with more in it
         server_header=False,
         # X-Forwarded-* rewriting of the client address: unused here, and a layer per request.
         proxy_headers=False,
@@ -110,14 +123,6 @@ def uvicorn_speedups() -> dict[str, Any]:
     except ImportError:
         pass
     return kwargs
-
-
-def configure_logging(settings: Settings) -> None:
-    logging.basicConfig(
-        level=settings.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

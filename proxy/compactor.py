@@ -6,7 +6,6 @@ the algorithm lives behind `SimpleCompaction` in proxy/compaction/.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from proxy import __version__
 from proxy.compaction.prompt import PROMPT_VERSION
 from proxy.compaction.protocol import Message, SummarizerError
 from proxy.compaction.simple import Prepared, SimpleCompaction
@@ -60,8 +60,14 @@ SUMMARIZER_HEADERS = frozenset(
 )
 
 
-def summarizer_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
-    return {name.lower(): value for name, value in headers if name.lower() in SUMMARIZER_HEADERS}
+USER_AGENT = f"compaction-proxy/{__version__}"
+
+
+def summarizer_headers(headers: list[tuple[str, str]], request_id: str) -> dict[str, str]:
+    """The client's SUMMARIZER_HEADERS, the request id (so the upstream's logs tie the summary
+    to the request that caused it) and the proxy's own User-Agent."""
+    carried = {name.lower(): value for name, value in headers if name.lower() in SUMMARIZER_HEADERS}
+    return {**carried, "x-request-id": request_id, "user-agent": USER_AGENT}
 
 
 def _last_user(messages: list[Message]) -> Message | None:
@@ -97,9 +103,8 @@ class Compactor:
         control: Control,
         *,
         client_headers: dict[str, str],
-        request_id: str,
     ) -> Outcome:
-        """`client_headers`: the client's credential and billing headers (SUMMARIZER_HEADERS)."""
+        """`client_headers`: what the summarizer call carries (see summarizer_headers)."""
         started = time.perf_counter()
         config = self.settings.compaction
         model = model_of(body)
@@ -110,7 +115,7 @@ class Compactor:
             outcome.status = "off"
         elif tokens > budget or control.mode == "force":
             await self.decide(body, control, budget, outcome, client_headers)
-            self.log(outcome, model, request_id, time.perf_counter() - started)
+            self.log(outcome, model, time.perf_counter() - started)
         self.metrics.observe(outcome, time.perf_counter() - started)
         return outcome
 
@@ -277,24 +282,22 @@ class Compactor:
         kept = [*prepared.pinned, *([carry] if carry is not None else []), *prepared.to_preserve]
         return self.counter.count_messages(model, kept) + self.counter.count_tools(model, body)
 
-    def log(self, outcome: Outcome, model: str, request_id: str, seconds: float) -> None:
+    def log(self, outcome: Outcome, model: str, seconds: float) -> None:
         """One structured line per compaction decision; never any content."""
         log.info(
-            json.dumps(
-                {
-                    "event": "compaction",
-                    "request_id": request_id,
-                    "model": model,
-                    "status": outcome.status,
-                    "reason": outcome.reason,
-                    "tokens_before": outcome.tokens_before,
-                    "tokens_after": outcome.tokens_after,
-                    "budget": outcome.budget,
-                    "messages_summarized": outcome.summarized,
-                    "summary_input_tokens": outcome.usage.input_tokens,
-                    "summary_output_tokens": outcome.usage.output_tokens,
-                    "cache": outcome.cache,
-                    "duration_ms": round(seconds * 1000, 1),
-                }
-            )
+            "compaction %s",
+            outcome.status,
+            extra={
+                "model": model,
+                "status": outcome.status,
+                "reason": outcome.reason,
+                "tokens_before": outcome.tokens_before,
+                "tokens_after": outcome.tokens_after,
+                "budget": outcome.budget,
+                "messages_summarized": outcome.summarized,
+                "summary_input_tokens": outcome.usage.input_tokens,
+                "summary_output_tokens": outcome.usage.output_tokens,
+                "cache": outcome.cache,
+                "duration_ms": round(seconds * 1000, 1),
+            },
         )

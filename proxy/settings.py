@@ -5,7 +5,13 @@ One pydantic model per TOML section, so a bad value fails at start with the key'
 
 from __future__ import annotations
 
+import difflib
+import json
+import os
 import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +21,7 @@ from pydantic_settings import (
     InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 
@@ -30,6 +37,8 @@ class ServerSettings(Section):
     # A 1M-token prompt is ~4 MB of text; JSON escaping and base64 images can multiply that.
     max_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # "json": one JSON object per line (ours and uvicorn's alike), for log shippers.
+    log_format: Literal["text", "json"] = "text"
 
 
 class UpstreamSettings(Section):
@@ -116,11 +125,14 @@ class CacheSettings(Section):
     lock_ttl_s: float = Field(180.0, gt=0)
 
 
+ENV_PREFIX = "COMPACTION_PROXY_"
+
+
 class Settings(BaseSettings):
     """The whole configuration. Build with `load_settings()`; tests may construct it directly."""
 
     model_config = SettingsConfigDict(
-        env_prefix="COMPACTION_PROXY_",
+        env_prefix=ENV_PREFIX,
         env_nested_delimiter="__",
         extra="forbid",
     )
@@ -137,10 +149,137 @@ class ConfigError(Exception):
     """A configuration problem, worded for one line on stderr."""
 
 
-def format_validation_error(error: ValidationError, origin: str) -> str:
-    first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "(root)"
-    return f"invalid config {origin}: {key}: {first['msg']} (got {first.get('input')!r})"
+def format_validation_error(
+    error: ValidationError, origin: str, environ: Mapping[str, str] | None = None
+) -> str:
+    """The first problem, one line: which key (or env var), what is wrong, what was given."""
+    problems = error.errors()
+    first = problems[0]
+    loc = [str(part) for part in first["loc"]]
+    key = ".".join(loc) or "(root)"
+    variable = _env_name_for(loc, os.environ if environ is None else environ)
+    where = f"{key} (from {variable})" if variable else key
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    if first["type"] == "extra_forbidden":
+        return f"invalid config {origin}: unknown key {where}{_did_you_mean(loc)}{more}"
+    given = _shown(loc, first.get("input"))
+    return f"invalid config {origin}: {where}: {first['msg']}{given}{more}"
+
+
+def _shown(loc: Sequence[str], value: object) -> str:
+    """` (got 'x')` for a plain value; nothing for sections or anything that may be a secret."""
+    if not isinstance(value, str | int | float) or any(
+        word in part for part in loc for word in ("key", "token", "secret", "password")
+    ):
+        return ""
+    text = repr(value)
+    return f" (got {text[:80]}{'...' if len(text) > 80 else ''})"
+
+
+def _fields_at(path: Sequence[str]) -> dict[str, Any] | None:
+    """The fields of the section at `path` (free-form keys of a dict skipped), or None."""
+    model: Any = Settings
+    index = 0
+    while index < len(path):
+        fields = model.model_fields
+        if path[index] not in fields:
+            return None
+        model, free_key = _section_type(fields[path[index]].annotation)
+        if model is None:
+            return None
+        index += 2 if free_key else 1
+    return dict(model.model_fields)
+
+
+def _section_type(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """(the section model a field holds, whether a free-form key comes first: dict[str, M])."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    if typing.get_origin(annotation) is dict:
+        value = typing.get_args(annotation)[1]
+        if isinstance(value, type) and issubclass(value, BaseModel):
+            return value, True
+    return None, False
+
+
+def _is_structured(annotation: Any) -> bool:
+    """A section, a dict or a list: set from an env var as JSON."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_structured(arg) for arg in typing.get_args(annotation) if arg is not None)
+    if origin in (dict, list):
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, (BaseModel, dict, list))
+
+
+def _did_you_mean(loc: Sequence[str]) -> str:
+    fields = _fields_at(loc[:-1])
+    if not fields or not loc:
+        return ""
+    close = difflib.get_close_matches(loc[-1], list(fields), n=1)
+    return f" (did you mean {'.'.join([*loc[:-1], close[0]])}?)" if close else ""
+
+
+def _env_name_for(loc: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The env var that set `loc` (or a section holding it, set as JSON)."""
+    for depth in range(len(loc), 0, -1):
+        wanted = ENV_PREFIX + "__".join(loc[:depth]).upper()
+        for name in environ:
+            if name.upper() == wanted:
+                return name
+    return None
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Every COMPACTION_PROXY_* variable must name a key, and a structured one hold JSON.
+
+    pydantic-settings skips variables that match no field, so without this a misspelt section
+    (`COMPACTION_PROXY_SERVR__PORT`) would be silently ignored.
+    """
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        model: Any = Settings
+        index = 0
+        while True:
+            fields = model.model_fields
+            part = path[index]
+            if part not in fields:
+                close = difflib.get_close_matches(part, list(fields), n=1)
+                hint = ""
+                if close:
+                    parts = name[len(ENV_PREFIX) :].split("__")
+                    suggestion = "__".join([*parts[:index], close[0].upper()])
+                    hint = f" (did you mean {ENV_PREFIX}{suggestion}?)"
+                raise ConfigError(
+                    f"invalid config: environment variable {name}: unknown key "
+                    f"{'.'.join(path[: index + 1])}{hint}"
+                )
+            annotation = fields[part].annotation
+            section, free_key = _section_type(annotation)
+            index += 1
+            if free_key:
+                index += 1  # a free-form name (a model's), then its section's keys
+            if index >= len(path):
+                if (_is_structured(annotation) and not free_key) or index > len(path):
+                    _check_json(name, environ[name])
+                break
+            if section is None:
+                raise ConfigError(
+                    f"invalid config: environment variable {name}: "
+                    f"{'.'.join(path[:index])} is a value, not a section"
+                )
+            model = section
+
+
+def _check_json(name: str, value: str) -> None:
+    try:
+        json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(
+            f"invalid config: environment variable {name}: not valid JSON ({exc})"
+        ) from None
 
 
 def load_settings(
@@ -171,8 +310,11 @@ def load_settings(
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             return (init_settings, env_settings, InitSettingsSource(settings_cls, toml_data))
 
+    check_environment(os.environ)
     try:
         loaded = _FromFile(**(cli_overrides or {}))
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, origin)) from None
+    except SettingsError as exc:  # anything the environment check above did not foresee
+        raise ConfigError(f"invalid config {origin}: {exc}") from None
     return Settings.model_construct(**dict(loaded))

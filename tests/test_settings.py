@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import build_parser, serve_overrides
+from proxy.cli import build_parser, main, serve_overrides
 from proxy.settings import ConfigError, Settings, load_settings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "proxy.example.toml"
@@ -107,3 +107,82 @@ def test_help_documents_configuration() -> None:
     assert result.returncode == 0
     assert "COMPACTION_PROXY_" in result.stdout
     assert "--upstream" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "toml", "expected"),
+    [
+        # Bad JSON in an env var for a section or a dict: named, no traceback.
+        (
+            {"COMPACTION_PROXY_COMPACTION__MODELS": "not json"},
+            None,
+            "environment variable COMPACTION_PROXY_COMPACTION__MODELS: not valid JSON",
+        ),
+        # A misspelt section or key in an env var: named, with the close match.
+        (
+            {"COMPACTION_PROXY_SERVR__PORT": "5"},
+            None,
+            "COMPACTION_PROXY_SERVR__PORT: unknown key servr "
+            "(did you mean COMPACTION_PROXY_SERVER?)",
+        ),
+        (
+            {"COMPACTION_PROXY_SERVER__PROT": "5"},
+            None,
+            "unknown key server.prot (did you mean COMPACTION_PROXY_SERVER__PORT?)",
+        ),
+        ({"COMPACTION_PROXY_NOTHING_LIKE_IT": "1"}, None, "unknown key nothing_like_it"),
+        # A bad value in an env var: the key and the variable it came from.
+        (
+            {"COMPACTION_PROXY_SERVER__PORT": "eighty"},
+            None,
+            "server.port (from COMPACTION_PROXY_SERVER__PORT): Input should be a valid integer",
+        ),
+        # An unknown section or key in the TOML file.
+        (
+            {},
+            "[servr]\nport = 5\n",
+            "unknown key servr (did you mean server?)",
+        ),
+        (
+            {},
+            "[compaction.summarizer]\nmodle = 'x'\n",
+            "unknown key compaction.summarizer.modle (did you mean compaction.summarizer.model?)",
+        ),
+        ({}, "[server]\nport = 'x'\n", "server.port: Input should be a valid integer"),
+    ],
+)
+def test_every_config_error_is_one_line_and_exit_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str],
+    toml: str | None,
+    expected: str,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = ["serve"]
+    if toml is not None:
+        config = tmp_path / "proxy.toml"
+        config.write_text(toml)
+        argv += ["--config", str(config)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("compaction-proxy: error: invalid config")
+    assert expected in lines[0]
+    assert captured.out == ""
+
+
+def test_config_errors_never_echo_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPACTION_PROXY_UPSTREAM", '{"api_key": "sk-live-123", "timeout_s": [1]')
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert "sk-live-123" not in str(info.value)
+    monkeypatch.setenv("COMPACTION_PROXY_UPSTREAM", '{"api_key": ["sk-live-123"]}')
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+    assert "upstream.api_key" in str(info.value) and "sk-live-123" not in str(info.value)
