@@ -6,13 +6,13 @@ Each step is a call into the module that owns it; this file is only the order of
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy import jsonbytes
 from proxy.compactor import Control, summarizer_headers
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
@@ -73,6 +73,4 @@ def parse_control(request: Request) -> Control:
 
 def reencode(body: dict[str, Any], messages: list[Any]) -> bytes:
     """The client's body with only `messages` replaced; every other field kept as sent."""
-    return json.dumps(
-        {**body, "messages": messages}, ensure_ascii=False, separators=(",", ":")
-    ).encode("utf-8")
+    return jsonbytes.forwarded({**body, "messages": messages})

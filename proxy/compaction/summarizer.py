@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from proxy import jsonbytes
 from proxy.compaction.protocol import Message, SummarizerError, Summary, Usage
 from proxy.compaction.render import content_text, strip_reasoning
 
@@ -196,7 +197,10 @@ class UpstreamSummarizer:
         try:
             async with asyncio.timeout(remaining):  # httpx's read timeout is per chunk, not total
                 response = await self.client.post(
-                    self.url, json=body, headers=self.headers, timeout=httpx.Timeout(remaining)
+                    self.url,
+                    content=jsonbytes.cleaned(body),  # httpx's json= fails on lone surrogates
+                    headers={**self.headers, "content-type": "application/json"},
+                    timeout=httpx.Timeout(remaining),
                 )
         except (httpx.TimeoutException, TimeoutError):
             raise SummarizerError(

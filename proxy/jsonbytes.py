@@ -1,0 +1,39 @@
+"""JSON bodies the proxy writes itself, safe for every string `json.loads` accepts.
+
+JSON may carry lone surrogates (`"\\ud800"`), which Python decodes into str values that
+cannot be encoded as UTF-8. Two encoders, for two readers:
+
+- `forwarded`: a client's body with our change in it. A lone surrogate goes out as the same
+  `\\uXXXX` escape the client sent, so the upstream reads exactly what the client meant, and
+  the bytes stay valid UTF-8.
+- `cleaned`: a body we compose (the summarizer's input): lone surrogates become U+FFFD, as
+  only a model reads it and some upstreams refuse the escapes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def forwarded(value: object) -> bytes:
+    """Compact UTF-8 JSON; lone surrogates as JSON escapes (they only occur inside strings,
+    where Python's `backslashreplace` writes exactly the JSON escape `\\udxxx`)."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace")
+
+
+def cleaned(value: object) -> bytes:
+    """Compact UTF-8 JSON with every lone surrogate replaced by U+FFFD."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return clean_text(text).encode("utf-8")
+
+
+def clean_text(text: str) -> str:
+    """`text` with lone surrogates replaced by U+FFFD (a no-op for ordinary text)."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
