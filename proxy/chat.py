@@ -16,7 +16,7 @@ from proxy import jsonbytes
 from proxy.compactor import Control, summarizer_headers
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
-from proxy.validation import parse_chat_body, read_body
+from proxy.validation import parse_chat_request, read_body
 
 
 async def chat_completions(request: Request) -> Response:
@@ -39,7 +39,7 @@ async def chat_completions(request: Request) -> Response:
 
     try:
         raw = await read_body(request, state.settings.server.max_body_bytes)
-        body = parse_chat_body(raw)
+        body = await parse_chat_request(raw, state.settings.server.max_messages)
         exchange.describe(body)
         response = await exchange.guard(lambda: compact_and_forward(body, raw))
     except ProxyError as exc:

@@ -108,12 +108,14 @@ class Compactor:
         started = time.perf_counter()
         config = self.settings.compaction
         model = model_of(body)
+        if control.mode == "off" or not config.enabled:  # nothing to decide: not even counted
+            outcome = Outcome(status="off")
+            self.metrics.observe(outcome, time.perf_counter() - started)
+            return outcome
         tokens = await self.counter.acount_request(body)
         budget = control.budget or config.budget_for(model)
         outcome = Outcome(tokens_before=tokens, budget=budget, estimated=self.counter.estimated)
-        if control.mode == "off" or not config.enabled:
-            outcome.status = "off"
-        elif tokens > budget or control.mode == "force":
+        if tokens > budget or control.mode == "force":
             await self.decide(body, control, budget, outcome, client_headers)
             self.log(outcome, model, time.perf_counter() - started)
         self.metrics.observe(outcome, time.perf_counter() - started)

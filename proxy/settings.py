@@ -36,6 +36,9 @@ class ServerSettings(Section):
     port: int = Field(8080, ge=0, le=65535)
     # A 1M-token prompt is ~4 MB of text; JSON escaping and base64 images can multiply that.
     max_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # Messages per chat request (400 over it). A 1M-token window filled with 20-token messages
+    # is 50k; long agent sessions send a few thousand. 50k costs ~0.4 s of CPU to parse and count.
+    max_messages: int = Field(50_000, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "json": one JSON object per line (ours and uvicorn's alike), for log shippers.
     log_format: Literal["text", "json"] = "text"
@@ -69,6 +72,9 @@ class TokenizerSettings(Section):
     memo_max_entries: int = Field(200_000, gt=0)
     # Texts longer than this are tokenized in a worker thread, not on the event loop.
     offload_chars: int = Field(32_768, ge=0)
+    # A request's count stops past this many prompt tokens and it is refused (400
+    # context_length_exceeded): above every model's window (1M-2M), and ~0.3 s of tokenizing.
+    max_request_tokens: int = Field(2_000_000, gt=0)
     threads: int = Field(2, gt=0)
 
 

@@ -3,8 +3,12 @@
 Agents resend the same history every turn, so each message's count is remembered under a key
 of its content (see memo.py) and a request that adds one message to a long history tokenizes
 about one message. A request whose uncached text exceeds `tokenizer.offload_chars` is counted
-in a small thread pool (tiktoken releases the GIL while encoding), so one huge request does not
-stall the event loop for every other client.
+in a small thread pool (tiktoken releases the GIL while encoding), and so is the whole count of
+a request with more than `OFFLOAD_MESSAGES` messages (keys and memo lookups included), so one
+huge request does not stall the event loop for every other client.
+
+A whole request's count stops as soon as it passes `tokenizer.max_request_tokens` (checked
+after each message, and every `SLICE_CHARS` inside one huge text) with TooManyTokens, a 400.
 
 Without BPE files and with `tokenizer.on_missing = "estimate"`, texts count as one token per
 4 UTF-8 bytes (about right for English and code; CJK runs ~1 token per character, i.e. 3
@@ -24,6 +28,7 @@ from typing import Any
 
 import tiktoken
 
+from proxy.errors import ProxyError
 from proxy.settings import Settings
 from proxy.tokens import chat, models
 from proxy.tokens.encodings import (
@@ -48,10 +53,32 @@ _PREFIX_SALT = hash("prefix")
 # An agent resends its previous request plus this many new messages at most (tool call and
 # result, a user message...): one memo entry for the whole previous list covers the rest.
 PREFIX_LOOKBACK = 4
+# Above this many messages, even computing memo keys costs milliseconds: all of it leaves the loop.
+OFFLOAD_MESSAGES = 1024
+# Texts longer than this are encoded in slices (cut at a space when there is one; a slice
+# boundary can shift the count by a token), so a token limit stops a 60 MB text early.
+SLICE_CHARS = 1 << 20
 
 
 class TokenizerUnavailable(Exception):
     """The BPE files could not be loaded; the message says how to fix it."""
+
+
+class TooManyTokens(ProxyError):
+    """A request's prompt passed `tokenizer.max_request_tokens`; counting stopped there.
+
+    `context_length_exceeded` is what OpenAI answers for a prompt too long for the model, and
+    what agent frameworks already handle by trimming their history.
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            400,
+            f"This request has more than {limit} prompt tokens, more than this proxy counts "
+            "or compacts (tokenizer.max_request_tokens). Shorten the conversation.",
+            param="messages",
+            code="context_length_exceeded",
+        )
 
 
 @dataclass(frozen=True)
@@ -183,13 +210,31 @@ class TokenCounter:
             tools=O200K_TOOLS if name == "o200k_base" else CL100K_TOOLS,
         )
 
-    def _text_counter(self, profile: _Profile) -> Callable[[str], int]:
+    def _text_counter(self, profile: _Profile, limit: int = 0) -> Callable[[str], int]:
+        """Counts one text; with `limit`, raises TooManyTokens once a text alone passes it."""
         encoder = profile.encoder
         if encoder is None:
             return estimate_tokens
         encode = encoder.encode_ordinary  # special-token text is plain text, as the API sees it
         memo = self._memo
         salt = hash("text:" + profile.encoding)
+
+        def encoded(text: str) -> int:
+            if len(text) <= SLICE_CHARS:
+                self.encode_calls += 1
+                return len(encode(text))
+            total = start = 0
+            while start < len(text):
+                end = min(len(text), start + SLICE_CHARS)
+                if end < len(text):
+                    space = text.rfind(" ", start + SLICE_CHARS // 2, end)
+                    end = space if space > 0 else end
+                self.encode_calls += 1
+                total += len(encode(text[start:end]))
+                if limit and total > limit:
+                    raise TooManyTokens(limit)
+                start = end
+            return total
 
         def count(text: str) -> int:
             if not text:
@@ -200,8 +245,7 @@ class TokenCounter:
             key = hash(text) ^ salt
             cached = memo.get(key)
             if cached is None:
-                self.encode_calls += 1
-                cached = len(encode(text))
+                cached = encoded(text)
                 memo.put(key, cached)
             return cached
 
@@ -229,26 +273,34 @@ class TokenCounter:
         return self._count_tools(self._profile(model), body)
 
     def count_request(self, body: dict[str, Any]) -> int:
+        """The prompt tokens of a whole request; TooManyTokens past `max_request_tokens`."""
         if not isinstance(body, dict):
             return 0
         profile = self._profile(body.get("model"))
-        return self._count_messages(profile, body.get("messages")) + self._count_tools(
-            profile, body
-        )
+        limit = self._config.max_request_tokens
+        total = self._count_messages(profile, body.get("messages"), limit)
+        return _checked(total + self._count_tools(profile, body), limit)
 
     async def acount_request(self, body: dict[str, Any]) -> int:
-        """Like count_request; uncached work over `offload_chars` goes to the thread pool."""
+        """Like count_request; uncached work over `offload_chars`, and every request with more
+        than OFFLOAD_MESSAGES messages, is counted in the thread pool."""
         if not isinstance(body, dict):
             return 0
-        profile = self._profile(body.get("model"))
-        total, misses, whole = self._lookup(profile, body.get("messages"))
         pool = self._thread_pool()
+        loop = asyncio.get_running_loop()
+        if pool is not None and len(_as_list(body.get("messages"))) > OFFLOAD_MESSAGES:
+            return await loop.run_in_executor(pool, self.count_request, body)
+        profile = self._profile(body.get("model"))
+        limit = self._config.max_request_tokens
+        total, misses, whole = self._lookup(profile, body.get("messages"))
+        _checked(total, limit)
         if pool is None or sum(_chars(m) for m, _ in misses) < self._config.offload_chars:
-            total += self._compute_batch(profile, misses)
+            total = self._compute_batch(profile, misses, total, limit)
         else:  # one job per request: splitting it makes the threads fight over the GIL
-            loop = asyncio.get_running_loop()
-            total += await loop.run_in_executor(pool, self._compute_batch, profile, misses)
-        return self._remember(whole, total) + self._count_tools(profile, body)
+            job = self._compute_batch
+            total = await loop.run_in_executor(pool, job, profile, misses, total, limit)
+        total = self._remember(whole, total)
+        return _checked(total + self._count_tools(profile, body), limit)
 
     def close(self) -> None:
         self._closed = True
@@ -297,9 +349,10 @@ class TokenCounter:
         whole = None if None in keys else hash(tuple(keys)) ^ _PREFIX_SALT
         return total, misses, whole
 
-    def _count_messages(self, profile: _Profile, messages: object) -> int:
+    def _count_messages(self, profile: _Profile, messages: object, limit: int = 0) -> int:
         total, misses, whole = self._lookup(profile, messages)
-        return self._remember(whole, total + self._compute_batch(profile, misses))
+        _checked(total, limit)
+        return self._remember(whole, self._compute_batch(profile, misses, total, limit))
 
     def _remember(self, whole: int | None, total: int) -> int:
         """Keep a list's sum for the next request that extends it (see _lookup)."""
@@ -307,12 +360,22 @@ class TokenCounter:
             self._memo.put(whole, total - chat.REPLY_PRIMING)
         return total
 
-    def _compute_batch(self, profile: _Profile, batch: list[tuple[Any, int | None]]) -> int:
-        return sum(self._compute_message(profile, message, key) for message, key in batch)
+    def _compute_batch(
+        self, profile: _Profile, batch: list[tuple[Any, int | None]], total: int, limit: int = 0
+    ) -> int:
+        """`total` plus the counts of `batch`; with `limit`, stops once the sum passes it."""
+        for message, key in batch:
+            total += self._compute_message(profile, message, key, limit)
+            _checked(total, limit)
+        return total
 
-    def _compute_message(self, profile: _Profile, message: object, key: int | None) -> int:
+    def _compute_message(
+        self, profile: _Profile, message: object, key: int | None, limit: int = 0
+    ) -> int:
         try:
-            count = chat.message_tokens(message, self._text_counter(profile), profile.media)
+            count = chat.message_tokens(message, self._text_counter(profile, limit), profile.media)
+        except TooManyTokens:
+            raise
         except Exception:  # a formula bug must not fail the request; the log shows it
             self.fallbacks += 1
             logger.exception("token count failed for a message; counted as empty")
@@ -339,6 +402,12 @@ class TokenCounter:
         if key is not None:
             self._memo.put(key, count)
         return count
+
+
+def _checked(total: int, limit: int) -> int:
+    if limit and total > limit:
+        raise TooManyTokens(limit)
+    return total
 
 
 def _as_list(value: object) -> list[Any]:
