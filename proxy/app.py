@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -23,7 +24,7 @@ from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.store import create_store
 from proxy.tokens import TokenCounter
-from proxy.transport import create_upstream_client
+from proxy.transport import ServedTransport, create_upstream_client, upstream_limits
 from proxy.upstream import Upstream
 
 log = logging.getLogger("proxy.app")
@@ -32,20 +33,30 @@ ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
 def create_app(
-    settings: Settings | None = None, *, counter: PromptCounter | None = None
+    settings: Settings | None = None,
+    *,
+    counter: PromptCounter | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> Starlette:
     """Build the app and everything it holds; nothing here touches the network.
 
     Usable in-process (`httpx.ASGITransport(app)`, no lifespan needed) or served by uvicorn,
     whose lifespan closes the pooled client on shutdown. Raises TokenizerUnavailable when
     the tokenizer files cannot be loaded (and `tokenizer.on_missing = "fail"`).
+
+    `transport` carries every upstream request (forwarded and summarizer calls). By default
+    it is httpx's own until a server runs the lifespan, aiohttp's from then on (see
+    `ServedTransport`): respx sees an in-process app's requests, a served app is fast.
     """
     settings = settings or Settings()
     if counter is None:
         token_counter = TokenCounter(settings)
         token_counter.load()
         counter = token_counter
-    client = create_upstream_client(settings.upstream)
+    served = None
+    if transport is None:
+        transport = served = ServedTransport(upstream_limits(settings.upstream))
+    client = create_upstream_client(settings.upstream, transport)
     store = create_store(settings.cache)
     metrics = Metrics(store)
     state = ProxyState(
@@ -58,6 +69,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("proxying to %s", settings.upstream.base_url)
+        if served is not None:
+            served.serve()
         try:
             yield
         finally:

@@ -9,9 +9,8 @@ Numbers and the other options measured: bench/README.md, `python -m bench.transp
 errors onto httpx's (refused -> ConnectError; connect/read/pool timeouts -> ConnectTimeout,
 ReadTimeout, PoolTimeout). httpx's write timeout has no aiohttp counterpart and is not
 applied; `max_keepalive_connections` is not enforced (idle ones expire after keepalive_expiry).
-Mocks keep working untouched: `respx.mock(using="httpx")` patches the client, and while
-httpcore's pool or httpx's transport is patched (respx's default mode, pytest-httpx, mock),
-requests go through a stock `httpx.AsyncHTTPTransport`, so the mock sees them.
+Which wire a client gets is chosen by whoever builds it (`create_app(transport=...)`); the
+app's default, `ServedTransport`, is httpx's own transport in-process and aiohttp once served.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
-import httpcore
 import httpx
 from yarl import URL
 
@@ -33,16 +31,6 @@ from proxy.settings import UpstreamSettings
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _LARGE_BODY = 1 << 20  # aiohttp warns on bytes bodies above 1 MiB; BytesIO is sent in chunks
 _HTTP_11 = {"http_version": b"HTTP/1.1"}
-
-
-def _mocked() -> bool:
-    """True while something (respx, pytest-httpx, unittest.mock) patches httpx's own stack."""
-    pool = httpcore.AsyncConnectionPool.handle_async_request
-    transport = httpx.AsyncHTTPTransport.handle_async_request
-    return (
-        getattr(pool, "__module__", None) != "httpcore._async.connection_pool"
-        or getattr(transport, "__module__", None) != "httpx._transports.default"
-    )
 
 
 @contextlib.contextmanager
@@ -143,7 +131,6 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._fallback: httpx.AsyncHTTPTransport | None = None
         self._timeouts: dict[tuple[Any, ...], aiohttp.ClientTimeout] = {}
 
     def _new_session(self) -> aiohttp.ClientSession:
@@ -174,11 +161,6 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return timeout
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if _mocked():
-            if self._fallback is None:
-                self._fallback = httpx.AsyncHTTPTransport(limits=self._limits)
-            return await self._fallback.handle_async_request(request)
-
         session = self._session
         loop = asyncio.get_running_loop()
         if session is None or session.closed or self._loop is not loop:
@@ -243,21 +225,63 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._fallback is not None:
-            await self._fallback.aclose()
-            self._fallback = None
 
 
-def create_upstream_client(settings: UpstreamSettings) -> httpx.AsyncClient:
-    """Build the app's shared client. Timeouts are set per request by the caller."""
-    limits = httpx.Limits(
+class ServedTransport(httpx.AsyncBaseTransport):
+    """httpx's own transport until the app is served, aiohttp's `UpstreamTransport` after.
+
+    In-process use (`httpx.ASGITransport`, which sends no lifespan events) goes through
+    `httpx.AsyncHTTPTransport`, the layer respx (default mode), pytest-httpx and hand-written
+    mocks patch, so they see every upstream request with no setup. A server (`compaction-proxy
+    serve`, `uvicorn --factory`, each `--workers` process) runs the app's lifespan, whose
+    startup calls `serve()`: from then on requests take the fast aiohttp path.
+    """
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self._limits = limits
+        self._in_process: httpx.AsyncHTTPTransport | None = None
+        self._served: UpstreamTransport | None = None
+
+    @property
+    def served(self) -> bool:
+        return self._served is not None
+
+    def serve(self) -> None:
+        if self._served is None:
+            self._served = UpstreamTransport(self._limits)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._served is not None:
+            return await self._served.handle_async_request(request)
+        if self._in_process is None:
+            self._in_process = httpx.AsyncHTTPTransport(limits=self._limits)
+        return await self._in_process.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for transport in (self._in_process, self._served):
+            if transport is not None:
+                await transport.aclose()
+
+
+def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:
+    return httpx.Limits(
         max_connections=settings.max_connections,
         max_keepalive_connections=settings.max_keepalive_connections,
         keepalive_expiry=settings.keepalive_expiry_s,
     )
+
+
+def create_upstream_client(
+    settings: UpstreamSettings, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """Build the app's shared client (over aiohttp unless given a transport).
+
+    Timeouts are set per request by the caller.
+    """
+    limits = upstream_limits(settings)
     timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
     client = httpx.AsyncClient(
-        transport=UpstreamTransport(limits),
+        transport=transport or UpstreamTransport(limits),
         limits=limits,  # for the proxy transports httpx mounts from HTTP(S)_PROXY
         timeout=timeout,
         follow_redirects=False,

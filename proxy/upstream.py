@@ -140,6 +140,9 @@ class Upstream:
 
 async def _relay_body(upstream: httpx.Response, host: str) -> AsyncIterator[bytes]:
     try:
+        if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
+            yield upstream.content
+            return
         async for chunk in upstream.aiter_raw():
             yield chunk
     except httpx.HTTPError as exc:

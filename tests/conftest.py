@@ -42,6 +42,8 @@ for _name in [n for n in os.environ if n.startswith("COMPACTION_PROXY_")]:
 from proxy.app import create_app  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
 
+pytest_plugins = ["proxy.testing.plugin"]
+
 UPSTREAM = "http://upstream.test/v1"
 
 

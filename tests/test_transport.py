@@ -20,7 +20,12 @@ import uvicorn
 
 from proxy.app import create_app
 from proxy.settings import Settings, UpstreamSettings
-from proxy.transport import UpstreamTransport, create_upstream_client
+from proxy.transport import (
+    ServedTransport,
+    UpstreamTransport,
+    create_upstream_client,
+    upstream_limits,
+)
 
 Scope = dict[str, Any]
 Receive = Any
@@ -116,6 +121,12 @@ async def serving() -> AsyncIterator[Upstream]:
 
 def client_for(url: str, **overrides: Any) -> httpx.AsyncClient:
     return create_upstream_client(UpstreamSettings(base_url=url, **overrides))
+
+
+def in_process_client_for(url: str) -> httpx.AsyncClient:
+    """The client an app not (yet) served has: ServedTransport before `serve()`."""
+    settings = UpstreamSettings(base_url=url)
+    return create_upstream_client(settings, ServedTransport(upstream_limits(settings)))
 
 
 @pytest.fixture
@@ -296,7 +307,7 @@ async def test_pool_timeout_is_pool_timeout(upstream: Upstream) -> None:
 
 
 async def test_respx_default_mode_intercepts_with_no_setup() -> None:
-    async with client_for("http://upstream.test/v1") as client:
+    async with in_process_client_for("http://upstream.test/v1") as client:
         with respx.mock(base_url="http://upstream.test/v1") as router:
             route = router.post("/chat/completions").respond(json={"ok": True})
             response = await client.send(
@@ -309,14 +320,14 @@ async def test_respx_default_mode_intercepts_with_no_setup() -> None:
 
 async def test_respx_fixture_intercepts(respx_mock: respx.MockRouter) -> None:
     route = respx_mock.get("http://upstream.test/v1/models").respond(json={"data": []})
-    async with client_for("http://upstream.test/v1") as client:
+    async with in_process_client_for("http://upstream.test/v1") as client:
         reply = await client.get("http://upstream.test/v1/models")
     assert reply.json() == {"data": []}
     assert route.called
 
 
 async def test_respx_using_httpx_intercepts() -> None:
-    async with client_for("http://upstream.test/v1") as client:
+    async with in_process_client_for("http://upstream.test/v1") as client:
         with respx.mock(using="httpx") as router:
             route = router.get("http://upstream.test/v1/models").respond(status_code=418)
             reply = await client.get("http://upstream.test/v1/models")
@@ -332,13 +343,13 @@ async def test_a_patched_httpx_transport_sees_the_requests(
         return httpx.Response(200, text=f"mocked {request.url.path}")
 
     monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", fake)
-    async with client_for("http://upstream.test/v1") as client:
+    async with in_process_client_for("http://upstream.test/v1") as client:
         reply = await client.get("http://upstream.test/v1/models")
     assert reply.text == "mocked /v1/models"
 
 
 async def test_respx_pass_through_reaches_the_real_upstream(upstream: Upstream) -> None:
-    async with client_for(upstream.url) as client:
+    async with in_process_client_for(upstream.url) as client:
         with respx.mock() as router:
             router.route(host="127.0.0.1").pass_through()
             reply = await client.post(f"{upstream.url}/echo", content=b"abc")
@@ -358,3 +369,34 @@ async def test_the_app_in_process_is_intercepted_by_respx_without_setup() -> Non
     assert reply.status_code == 200
     assert reply.json() == reply_json
     assert route.called
+
+
+async def test_a_served_app_sends_over_aiohttp_which_respx_does_not_patch(
+    upstream: Upstream,
+) -> None:
+    settings = Settings.model_validate({"upstream": {"base_url": upstream.url}})
+    app = create_app(settings)
+    with respx.mock(assert_all_called=False) as router:
+        route = router.post(f"{upstream.url}/echo").respond(418)
+        proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
+        async with app.router.lifespan_context(app), proxy:  # what uvicorn runs at start
+            reply = await proxy.post("/v1/echo", content=b"abcd")
+    assert reply.status_code == 200
+    assert reply.json()["size"] == 4  # the real upstream answered, not the mock
+    assert not route.called
+
+
+async def test_an_injected_transport_carries_every_upstream_request() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(200, json={"object": "list", "data": []})
+
+    settings = Settings.model_validate({"upstream": {"base_url": "http://upstream.test/v1"}})
+    app = create_app(settings, transport=httpx.MockTransport(handler))
+    proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
+    async with app.router.lifespan_context(app), proxy:  # served or not: the injected one
+        reply = await proxy.get("/v1/models")
+    assert reply.json() == {"object": "list", "data": []}
+    assert seen == ["/v1/models"]

@@ -1,0 +1,455 @@
+"""FakeOpenAI: an OpenAI-compatible upstream for tests, on a respx router or as an ASGI app.
+
+It answers `POST .../chat/completions` (JSON or SSE, `usage` counted with the proxy's own
+token counter), `GET .../models` and `GET .../models/{id}`, and 404s anything else with an
+OpenAI-style error. It tells the proxy's summarizer calls (recognised by the summarizer's
+system prompt) from forwarded chat requests, records every request, and replies from a script:
+
+    fake = FakeOpenAI(replies=[ToolCall("read_file", {"path": "a.py"}), "done"])
+    fake.summaries = [Error(503)]          # the next summarizer call fails
+
+A script is a list (consumed in order; when empty, the default reply) or a callable of the
+`Call` returning an item or None (None: the default reply). An item is a `str` (assistant
+text), a `Reply`, a `ToolCall`, an `Error` or a `BrokenStream`. The default summary is
+`FAKE SUMMARY <digest of its input>: fact fact ...`, exactly `summary_tokens` tokens long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import httpx
+import respx
+from starlette.types import Receive, Scope, Send
+
+from proxy.compaction.prompt import SYSTEM_PROMPT
+from proxy.testing.app import FAKE_UPSTREAM, load_offline_tokenizer, make_settings
+from proxy.tokens import TokenCounter
+
+FAKE_SUMMARY_PREFIX = "FAKE SUMMARY"
+DEFAULT_REPLY = "Hello from the fake upstream."
+DEFAULT_MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini")
+CREATED = 1_700_000_000
+
+Kind = Literal["chat", "summarizer", "models", "other"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the assistant makes; `arguments` as a dict (sent as JSON) or a string."""
+
+    name: str
+    arguments: Mapping[str, Any] | str = field(default_factory=dict)
+    id: str | None = None
+
+    def arguments_json(self) -> str:
+        if isinstance(self.arguments, str):
+            return self.arguments
+        return json.dumps(dict(self.arguments))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An assistant reply: text and/or tool calls, after an optional delay."""
+
+    content: str | None = None
+    tool_calls: Sequence[ToolCall] = ()
+    finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
+    delay_s: float = 0.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Error:
+    """An HTTP error reply; `body` defaults to an OpenAI-style error envelope."""
+
+    status: int = 500
+    body: Any = None
+    message: str = "The fake upstream was told to fail."
+    delay_s: float = 0.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def json_body(self) -> Any:
+        if self.body is not None:
+            return self.body
+        code = "rate_limit_exceeded" if self.status == 429 else "fake_error"
+        return {
+            "error": {"message": self.message, "type": "server_error", "param": None, "code": code}
+        }
+
+
+@dataclass(frozen=True)
+class BrokenStream:
+    """A 200 whose body breaks off: after `after_chunks` SSE events, or half-way for JSON."""
+
+    reply: Reply | str = DEFAULT_REPLY
+    after_chunks: int = 1
+
+
+Item = str | Reply | ToolCall | Error | BrokenStream
+
+
+@dataclass
+class Call:
+    """One request the fake received."""
+
+    kind: Kind
+    request: httpx.Request
+    body: Any  # the parsed JSON body, or None
+
+    @property
+    def path(self) -> str:
+        return self.request.url.path
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return self.request.headers
+
+    @property
+    def model(self) -> str | None:
+        return self.body.get("model") if isinstance(self.body, dict) else None
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        messages = self.body.get("messages") if isinstance(self.body, dict) else None
+        return messages if isinstance(messages, list) else []
+
+    @property
+    def stream(self) -> bool:
+        return isinstance(self.body, dict) and bool(self.body.get("stream"))
+
+
+Script = Sequence[Item] | Callable[[Call], Item | None] | None
+
+
+class FakeOpenAI:
+    """See the module docstring. Thread-safe enough to serve under uvicorn in a thread."""
+
+    def __init__(
+        self,
+        base_url: str = FAKE_UPSTREAM,
+        *,
+        replies: Script = None,
+        summaries: Script = None,
+        summary_tokens: int = 40,
+        reply_text: str = DEFAULT_REPLY,
+        models: Sequence[str] = DEFAULT_MODELS,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.replies: Script = list(replies) if isinstance(replies, Sequence) else replies
+        self.summaries: Script = list(summaries) if isinstance(summaries, Sequence) else summaries
+        self.summary_tokens = summary_tokens
+        self.reply_text = reply_text
+        self.models = list(models)
+        self.calls: list[Call] = []
+        self._lock = threading.Lock()
+        self._counter: TokenCounter | None = None
+
+    # -- what was received -------------------------------------------------------------------
+
+    @property
+    def summarizer_calls(self) -> list[Call]:
+        return [c for c in self.calls if c.kind == "summarizer"]
+
+    @property
+    def chat_calls(self) -> list[Call]:
+        """Chat completions the proxy forwarded (summarizer calls excluded)."""
+        return [c for c in self.calls if c.kind == "chat"]
+
+    @property
+    def last_forwarded_messages(self) -> list[dict[str, Any]]:
+        chats = self.chat_calls
+        if not chats:
+            raise LookupError("the fake upstream has received no chat completion")
+        return chats[-1].messages
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+
+    # -- respx -------------------------------------------------------------------------------
+
+    def register(self, router: respx.Router) -> respx.Route:
+        """Route everything under `base_url` on `router` to this fake."""
+        return router.route(url__startswith=self.base_url + "/").mock(side_effect=self.handle)
+
+    @contextmanager
+    def mock(self) -> Iterator[respx.MockRouter]:
+        """A respx mock with this fake registered; other hosts are refused, as respx does."""
+        with respx.mock(assert_all_called=False) as router:
+            self.register(router)
+            yield router
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        """The respx side effect: answer one request."""
+        await request.aread()
+        call = self._record(request)
+        return await self._answer(call)
+
+    # -- ASGI --------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve as an ASGI app (e.g. uvicorn on 127.0.0.1); point `base_url` at it."""
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        host = dict(scope["headers"]).get(b"host", b"fake").decode("latin-1")
+        query = scope.get("query_string", b"")
+        url = f"{scope.get('scheme', 'http')}://{host}{scope['path']}"
+        request = httpx.Request(
+            scope["method"],
+            url + (f"?{query.decode('latin-1')}" if query else ""),
+            headers=[(k, v) for k, v in scope["headers"]],
+            content=b"".join(chunks),
+        )
+        response = await self._answer(self._record(request))
+        headers = [(k.lower(), v) for k, v in response.headers.raw]
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        )
+        async for chunk in cast(httpx.AsyncByteStream, response.stream):  # bytes or a generator
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # -- answering ---------------------------------------------------------------------------
+
+    def _record(self, request: httpx.Request) -> Call:
+        try:
+            body = json.loads(request.content) if request.content else None
+        except ValueError:
+            body = None
+        path = request.url.path
+        kind: Kind = "other"
+        if request.method == "POST" and path.endswith("/chat/completions"):
+            is_summary = isinstance(body, dict) and _first_content(body) == SYSTEM_PROMPT
+            kind = "summarizer" if is_summary else "chat"
+        elif request.method == "GET" and re.search(r"/models(/[^/]+)?$", path):
+            kind = "models"
+        call = Call(kind, request, body)
+        with self._lock:
+            self.calls.append(call)
+        return call
+
+    async def _answer(self, call: Call) -> httpx.Response:
+        if call.kind == "models":
+            return self._models(call)
+        if call.kind == "other":
+            return _error(404, f"The fake upstream has no route {call.request.method} {call.path}")
+        if not isinstance(call.body, dict):
+            return _error(400, "The fake upstream expects a JSON object body")
+        script = self.summaries if call.kind == "summarizer" else self.replies
+        item = self._next(script, call)
+        if item is None:
+            item = self._default_summary(call) if call.kind == "summarizer" else self.reply_text
+        return await self._render(call, item)
+
+    def _next(self, script: Script, call: Call) -> Item | None:
+        if script is None:
+            return None
+        if callable(script):
+            return script(call)
+        with self._lock:
+            return script.pop(0) if isinstance(script, list) and script else None
+
+    def _default_summary(self, call: Call) -> str:
+        digest = hashlib.sha256(json.dumps(call.messages, sort_keys=True).encode()).hexdigest()
+        text = f"{FAKE_SUMMARY_PREFIX} {digest[:12]}:"
+        missing = self.summary_tokens - self._count_text(call.model, text)
+        return text + " fact" * max(missing, 0)  # " fact" is one token in both encodings
+
+    async def _render(self, call: Call, item: Item) -> httpx.Response:
+        if isinstance(item, Error):
+            if item.delay_s:
+                await asyncio.sleep(item.delay_s)
+            return _error(item.status, item.json_body(), item.headers)
+        broken = item if isinstance(item, BrokenStream) else None
+        reply = _as_reply(item.reply if isinstance(item, BrokenStream) else item)
+        if reply.delay_s:
+            await asyncio.sleep(reply.delay_s)
+        usage = self._usage(call, reply)
+        model = call.model or "fake"
+        headers = {"x-fake-openai": call.kind, **reply.headers}
+        if call.stream:
+            events = _stream_events(model, reply, usage, call.body)
+            if broken is not None:
+                events = events[: broken.after_chunks + 1]  # role chunk + `after_chunks`
+            body = _sse(events, broken=broken is not None)
+            headers["content-type"] = "text/event-stream"
+            return httpx.Response(200, headers=headers, content=body)
+        raw = json.dumps(_completion(model, reply, usage)).encode()
+        if broken is not None:
+            headers["content-type"] = "application/json"
+            headers["content-length"] = str(len(raw))
+            return httpx.Response(200, headers=headers, content=_cut(raw[: len(raw) // 2]))
+        headers["content-type"] = "application/json"
+        return httpx.Response(200, headers=headers, content=raw)
+
+    def _models(self, call: Call) -> httpx.Response:
+        match = re.search(r"/models/([^/]+)$", call.path)
+        entries = [
+            {"id": m, "object": "model", "created": CREATED, "owned_by": "fake-openai"}
+            for m in self.models
+        ]
+        if match is None:
+            return httpx.Response(200, json={"object": "list", "data": entries})
+        for entry in entries:
+            if entry["id"] == match.group(1):
+                return httpx.Response(200, json=entry)
+        return _error(404, f"The model '{match.group(1)}' does not exist")
+
+    # -- usage -------------------------------------------------------------------------------
+
+    @property
+    def counter(self) -> TokenCounter:
+        """The proxy's own counter over the offline tokenizer files (shared per fake)."""
+        if self._counter is None:
+            load_offline_tokenizer()
+            counter = TokenCounter(make_settings())
+            counter.load()
+            self._counter = counter
+        return self._counter
+
+    def _count_text(self, model: str | None, text: str) -> int:
+        return self.counter.count_text(model or "gpt-4o-mini", text)
+
+    def _usage(self, call: Call, reply: Reply) -> dict[str, int]:
+        try:
+            prompt = self.counter.count_request(call.body)
+        except Exception:  # a body the counter rejects still gets an answer
+            prompt = 0
+        text = (reply.content or "") + "".join(
+            t.name + t.arguments_json() for t in reply.tool_calls
+        )
+        completion = self._count_text(call.model, text)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
+def _first_content(body: dict[str, Any]) -> Any:
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+        return messages[0].get("content")
+    return None
+
+
+def _as_reply(item: str | Reply | ToolCall) -> Reply:
+    if isinstance(item, Reply):
+        return item
+    if isinstance(item, ToolCall):
+        return Reply(tool_calls=[item])
+    return Reply(content=item)
+
+
+def _error(status: int, body: Any, headers: Mapping[str, str] | None = None) -> httpx.Response:
+    if isinstance(body, str):
+        body = {
+            "error": {
+                "message": body,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "not_found" if status == 404 else None,
+            }
+        }
+    return httpx.Response(status, json=body, headers=dict(headers or {}))
+
+
+def _tool_call_id(index: int, call: ToolCall) -> str:
+    return call.id or f"call_fake_{index}"
+
+
+def _finish_reason(reply: Reply) -> str:
+    return reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop")
+
+
+def _completion(model: str, reply: Reply, usage: dict[str, int]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": _tool_call_id(i, t),
+                "type": "function",
+                "function": {"name": t.name, "arguments": t.arguments_json()},
+            }
+            for i, t in enumerate(reply.tool_calls)
+        ]
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": _finish_reason(reply),
+    }
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": CREATED,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
+
+
+def _chunk(model: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def _stream_events(
+    model: str, reply: Reply, usage: dict[str, int], body: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Role first, the text word by word, each tool call (name, then arguments), the finish."""
+    events = [_chunk(model, {"role": "assistant", "content": ""}, None)]
+    for piece in re.findall(r"\s*\S+", reply.content or ""):
+        events.append(_chunk(model, {"content": piece}, None))
+    for i, tool in enumerate(reply.tool_calls):
+        head = {
+            "index": i,
+            "id": _tool_call_id(i, tool),
+            "type": "function",
+            "function": {"name": tool.name, "arguments": ""},
+        }
+        events.append(_chunk(model, {"tool_calls": [head]}, None))
+        arguments = {"index": i, "function": {"arguments": tool.arguments_json()}}
+        events.append(_chunk(model, {"tool_calls": [arguments]}, None))
+    events.append(_chunk(model, {}, _finish_reason(reply)))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events.append({**_chunk(model, {}, None), "choices": [], "usage": usage})
+    return events
+
+
+async def _sse(events: list[dict[str, Any]], *, broken: bool) -> AsyncIterator[bytes]:
+    for event in events:
+        yield b"data: " + json.dumps(event).encode() + b"\n\n"
+    if broken:
+        raise httpx.RemoteProtocolError("the fake upstream broke off the stream")
+    yield b"data: [DONE]\n\n"
+
+
+async def _cut(part: bytes) -> AsyncIterator[bytes]:
+    yield part
+    raise httpx.RemoteProtocolError("the fake upstream broke off the body")
