@@ -20,6 +20,7 @@ from proxy.exchange import ExchangeMiddleware
 from proxy.logs import AccessLog
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
+from proxy.readiness import Readiness, readiness_for
 from proxy.settings import Settings
 from proxy.state import ProxyState
 from proxy.store import create_store
@@ -59,6 +60,7 @@ def create_app(
     client = create_upstream_client(settings.upstream, transport)
     store = create_store(settings.cache)
     metrics = Metrics(store)
+    readiness = readiness_for(settings, client, store, lambda: counter.estimated)
     state = ProxyState(
         settings=settings,
         upstream=Upstream(client, settings.upstream),
@@ -92,6 +94,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.proxy = state
+    app.state.readiness = readiness
     return app
 
 
@@ -100,10 +103,10 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
-    if state.upstream.client.is_closed:
-        return JSONResponse({"status": "closed"}, status_code=503)
-    return JSONResponse({"status": "ready", "upstream": state.upstream.host})
+    """200 when every dependency answers; 503 naming the ones that don't (see readiness.py)."""
+    readiness: Readiness = request.app.state.readiness
+    ready, body = await readiness.report()
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def not_found(request: Request) -> Response:

@@ -42,6 +42,8 @@ class ServerSettings(Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "json": one JSON object per line (ours and uvicorn's alike), for log shippers.
     log_format: Literal["text", "json"] = "text"
+    # How long /readyz keeps each dependency's answer (one probe per period, however polled).
+    readiness_cache_s: float = Field(5.0, ge=0)
 
 
 class UpstreamSettings(Section):

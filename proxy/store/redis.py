@@ -180,6 +180,10 @@ class RedisStore:
 
         await self._guarded("unlock", call, None)
 
+    async def ping(self) -> None:
+        """Raises unless Redis answers now (readiness: not guarded like the calls above)."""
+        await self._client.ping()
+
     async def close(self) -> None:
         with contextlib.suppress(*_OUTAGE):
             await self._client.aclose()

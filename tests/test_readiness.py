@@ -1,0 +1,163 @@
+"""/readyz as a load balancer sees it: 503 naming what is down, 200 once it is back."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from proxy.app import create_app
+from tests.conftest import UPSTREAM, make_settings
+
+PASSWORD = "redis-secret-pw"
+
+
+async def open_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(make_settings(**sections))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
+        yield client
+    await app.state.proxy.upstream.client.aclose()
+    await app.state.proxy.compactor.store.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async for c in open_client(server={"readiness_cache_s": 0}):
+        yield c
+
+
+async def test_upstream_down_is_503_naming_it_and_200_when_back(
+    client: httpx.AsyncClient, upstream: respx.MockRouter
+) -> None:
+    probe = upstream.get("/models")
+    probe.side_effect = httpx.ConnectError("connection refused")
+    down = await client.get("/readyz")
+    assert down.status_code == 503
+    body = down.json()
+    assert body["status"] == "not_ready" and body["failing"] == ["upstream"]
+    assert body["checks"]["upstream"] == {
+        "ok": False,
+        "host": "upstream.test",
+        "error": "ConnectError",
+    }
+    assert body["checks"]["tokenizer"] == {"ok": True, "mode": "tiktoken"}
+    assert (await client.get("/healthz")).status_code == 200  # liveness is unaffected
+
+    probe.side_effect = None
+    probe.respond(200, json={"data": []})
+    back = await client.get("/readyz")
+    assert back.status_code == 200
+    assert back.json()["checks"]["upstream"]["status"] == 200
+
+
+async def test_probe_answers_are_cached_so_polling_costs_one_upstream_call(
+    upstream: respx.MockRouter,
+) -> None:
+    probe = upstream.get("/models").respond(200, json={"data": []})
+    async for client in open_client(server={"readiness_cache_s": 3600}):
+        for _ in range(5):
+            assert (await client.get("/readyz")).status_code == 200
+    assert probe.call_count == 1
+
+
+async def test_upstream_credentials_in_the_url_are_never_echoed(
+    upstream: respx.MockRouter,
+) -> None:
+    upstream.get("/models").mock(side_effect=httpx.ConnectError("refused"))
+    base = UPSTREAM.replace("http://", "http://alice:s3cret@")
+    async for client in open_client(upstream={"base_url": base}, server={"readiness_cache_s": 0}):
+        response = await client.get("/readyz")
+    assert response.status_code == 503
+    assert "s3cret" not in response.text and "alice" not in response.text
+    assert response.json()["checks"]["upstream"]["host"] == "upstream.test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class PrivateRedis:
+    """A redis-server of our own on a loopback port, which the test may stop and start."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.port = _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--requirepass", PASSWORD],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while True:  # bounded wait until it accepts connections
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if self.process.poll() is not None:
+                    pytest.fail("redis-server exited at start")
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis(binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_redis_down_is_503_naming_it_and_200_when_back(
+    upstream: respx.MockRouter, private_redis: PrivateRedis
+) -> None:
+    upstream.get("/models").respond(200, json={"data": []})
+    sections: dict[str, Any] = {
+        "server": {"readiness_cache_s": 0},
+        "cache": {"backend": "redis", "redis_url": private_redis.url},
+    }
+    async for client in open_client(**sections):
+        up = await client.get("/readyz")
+        assert up.status_code == 200, up.text
+        assert up.json()["checks"]["redis"]["ok"] is True
+
+        private_redis.stop()
+        down = await client.get("/readyz")
+        assert down.status_code == 503
+        body = down.json()
+        assert body["failing"] == ["redis"]
+        assert body["checks"]["redis"]["ok"] is False
+        assert body["checks"]["redis"]["url"] == f"redis://127.0.0.1:{private_redis.port}/0"
+        assert PASSWORD not in down.text
+
+        private_redis.start()
+        back = await client.get("/readyz")
+        assert back.status_code == 200, back.text
