@@ -1,0 +1,38 @@
+"""Running a user's test file in a pytest of its own, as a user's project would."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+README_SECTION = "## Testing your application with compaction-proxy"
+
+
+def readme_example() -> str:
+    """The first Python code block of the README's testing section."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split(README_SECTION, 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match is not None, "the README's testing section has no python block"
+    return match.group(1)
+
+
+def run_pytest(python: str, folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """pytest in `folder` (its own rootdir: no pyproject, asyncio strict mode) with a clean
+    environment: no inherited addopts, plugins or proxy settings."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "COMPACTION_PROXY_")) and k != "PYTHONPATH"
+    }
+    return subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

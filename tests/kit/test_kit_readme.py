@@ -1,0 +1,40 @@
+"""The README's testing example runs as written, and the plugin is active only when asked."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kit.external import readme_example, run_pytest
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A user's project: the README's example as its only test file."""
+    (tmp_path / "test_readme_example.py").write_text(readme_example(), encoding="utf-8")
+    return tmp_path
+
+
+def test_the_readme_example_passes_with_the_plugin_opted_in(project: Path) -> None:
+    done = run_pytest(sys.executable, project, "-p", "compaction_proxy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
+def test_pytest_plugins_in_conftest_opts_in_too(project: Path) -> None:
+    (project / "conftest.py").write_text('pytest_plugins = ["proxy.testing.plugin"]\n')
+    done = run_pytest(sys.executable, project)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
+def test_without_opting_in_the_plugin_registers_nothing(project: Path) -> None:
+    done = run_pytest(sys.executable, project)
+    assert done.returncode != 0
+    assert "fixture 'openai_client' not found" in done.stdout, done.stdout
+    available = done.stdout.split("available fixtures:", 1)[1].split("\n\n", 1)[0]
+    for name in ("fake_openai", "proxy_app", "proxy_client", "openai_client", "compaction_proxy"):
+        assert name not in available
+    assert "Unknown pytest.mark.compaction_proxy" in done.stdout  # no marker registered either
