@@ -13,6 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from proxy.admin import admin_keys, admin_usage
+from proxy.auth import Gate, KeySource
+from proxy.auth.keys_file import reload_on_sighup
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
 from proxy.errors import ProxyError
@@ -20,6 +23,8 @@ from proxy.exchange import ExchangeMiddleware
 from proxy.logs import AccessLog
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
+from proxy.quota import Quotas, create_ledger
+from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
 from proxy.settings import Settings
 from proxy.state import ProxyState
@@ -27,6 +32,7 @@ from proxy.store import create_store
 from proxy.tokens import TokenCounter
 from proxy.transport import ServedTransport, create_upstream_client, upstream_limits
 from proxy.upstream import Upstream
+from proxy.usage import Meter, Pricing
 
 log = logging.getLogger("proxy.app")
 
@@ -61,21 +67,29 @@ def create_app(
     store = create_store(settings.cache)
     metrics = Metrics(store)
     readiness = readiness_for(settings, client, store, lambda: counter.estimated)
+    ledger = create_ledger(settings)
     state = ProxyState(
         settings=settings,
         upstream=Upstream(client, settings.upstream),
         counter=counter,
         compactor=Compactor(settings, counter, client, store, metrics),
+        gate=Gate(settings, KeySource(settings.auth)),
+        quotas=Quotas(ledger, on_error=settings.quota.on_redis_error),
+        meter=Meter(settings, ledger, Pricing(settings.pricing)),
     )
+    metrics.registry.register(QuotaCollector(state.quotas, state.meter))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("proxying to %s", settings.upstream.base_url)
         if served is not None:
             served.serve()
+        reload_on_sighup(state.gate.source)
         try:
             yield
         finally:
+            await state.meter.join()
+            await ledger.close()
             await client.aclose()
             await store.close()
             counter.close()
@@ -85,6 +99,8 @@ def create_app(
             Route("/healthz", healthz, methods=["GET", "HEAD"]),
             Route("/readyz", readyz, methods=["GET", "HEAD"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
+            Route("/admin/usage", admin_usage, methods=["GET"]),
+            Route("/admin/keys", admin_keys, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),

@@ -13,9 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy import jsonbytes
-from proxy.compactor import Control, summarizer_headers
+from proxy.auth import Caller, ProxyKey, check_model
+from proxy.compactor import Control, model_of
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
+from proxy.quota.quotas import reply_quota_headers
+from proxy.report import Outcome
 from proxy.validation import parse_chat_request, read_body
 
 
@@ -23,30 +26,65 @@ async def chat_completions(request: Request) -> Response:
     exchange = Exchange(request)
     state = exchange.state
 
-    async def compact_and_forward(body: dict[str, Any], raw: bytes) -> httpx.Response:
+    async def compact_and_forward(
+        body: dict[str, Any], content: bytes, caller: Caller, control: Control
+    ) -> tuple[httpx.Response, dict[str, str]]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
         outcome = exchange.compacted(
             await state.compactor.run(
                 body,
-                parse_control(request),
-                client_headers=summarizer_headers(exchange.client_headers, exchange.request_id),
+                control,
+                client_headers=caller.summarizer_headers(
+                    exchange.client_headers, exchange.request_id
+                ),
+                scope=state.gate.scope(caller, exchange.client_headers),
             )
         )
-        content = raw if outcome.messages is None else reencode(body, outcome.messages)
-        return await exchange.open(
+        tokens = exchange.record.tokens_after
+        if tokens is None and state.quotas.counts_tokens(caller.key):  # not counted (mode off)
+            tokens = await state.counter.acount_request(body)
+        quota = await state.quotas.charge(caller.key, tokens or 0)
+        if outcome.messages is not None:
+            content = reencode(body, outcome.messages)
+        response = await exchange.open(
             "POST", "chat/completions", headers=exchange.upstream_headers(), content=content
         )
+        return response, quota
 
     try:
+        caller = exchange.admit()
         raw = await read_body(request, state.settings.server.max_body_bytes)
         body = await parse_chat_request(raw, state.settings.server.max_messages)
         exchange.describe(body)
-        response = await exchange.guard(lambda: compact_and_forward(body, raw))
+        control = parse_control(request)
+        content, hide_usage = raw, False
+        if caller.key is not None:
+            check_model(caller.key, model_of(body))
+            control = key_control(request, control, caller.key)
+            asked = state.meter.with_stream_usage(body, raw)
+            if asked is not None:
+                (body, content), hide_usage = asked, True
+        response, quota = await exchange.guard(
+            lambda: compact_and_forward(body, content, caller, control)
+        )
     except ProxyError as exc:
         return exchange.error(exc, exchange.compaction_headers())
     except ClientDisconnected:
         return exchange.disconnected()
-    return await exchange.relay(response, exchange.compaction_headers())
+    headers = exchange.compaction_headers()
+    if caller.key is None:
+        return await exchange.relay(response, headers)
+    headers.update(reply_quota_headers(quota))
+    outcome = exchange.outcome or Outcome()
+    tap = state.meter.tap(caller.key.id, model_of(body), outcome, hide_usage=hide_usage)
+    return await exchange.relay(response, headers, tap)
+
+
+def key_control(request: Request, control: Control, key: ProxyKey) -> Control:
+    """A key's compaction defaults; the request's own control headers still win."""
+    mode = control.mode if "x-compaction" in request.headers else (key.mode or control.mode)
+    budget = control.budget if control.budget is not None else key.budget_tokens
+    return Control(mode=mode, budget=budget)
 
 
 def parse_control(request: Request) -> Control:

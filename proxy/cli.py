@@ -81,6 +81,7 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.auth import check_exposure
     from proxy.logs import log_config
     from proxy.tokens import TokenizerUnavailable
 
@@ -92,6 +93,9 @@ def serve_command(args: argparse.Namespace) -> int:
     except TokenizerUnavailable as exc:
         print(f"compaction-proxy: error: {exc}", file=sys.stderr)
         return 2
+    problem = check_exposure(settings, app.state.proxy.gate.enabled)
+    if problem is not None:
+        raise ConfigError(problem)
     uvicorn.run(
         app,
         host=settings.server.host,

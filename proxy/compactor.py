@@ -13,18 +13,16 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from proxy import __version__
 from proxy.compaction.prompt import PROMPT_VERSION
 from proxy.compaction.protocol import Message, SummarizerError
 from proxy.compaction.simple import Prepared, SimpleCompaction
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
-from proxy.headers import credential_of
 from proxy.metrics import Metrics
 from proxy.planner import SummaryPlanner
 from proxy.report import Outcome
 from proxy.settings import Settings
-from proxy.store import SummaryFlight, SummaryStore, namespace_for, scope_for
+from proxy.store import SummaryFlight, SummaryStore, namespace_for
 
 log = logging.getLogger("proxy.compaction")
 
@@ -52,22 +50,6 @@ class Control:
 
     mode: Literal["auto", "off", "force"] = "auto"
     budget: int | None = None
-
-
-# Client headers the summarizer call carries over: who pays, and with which key.
-SUMMARIZER_HEADERS = frozenset(
-    {"authorization", "api-key", "openai-organization", "openai-project"}
-)
-
-
-USER_AGENT = f"compaction-proxy/{__version__}"
-
-
-def summarizer_headers(headers: list[tuple[str, str]], request_id: str) -> dict[str, str]:
-    """The client's SUMMARIZER_HEADERS, the request id (so the upstream's logs tie the summary
-    to the request that caused it) and the proxy's own User-Agent."""
-    carried = {name.lower(): value for name, value in headers if name.lower() in SUMMARIZER_HEADERS}
-    return {**carried, "x-request-id": request_id, "user-agent": USER_AGENT}
 
 
 def _last_user(messages: list[Message]) -> Message | None:
@@ -103,8 +85,10 @@ class Compactor:
         control: Control,
         *,
         client_headers: dict[str, str],
+        scope: str,
     ) -> Outcome:
-        """`client_headers`: what the summarizer call carries (see summarizer_headers)."""
+        """`client_headers`: what the summarizer call carries, as
+        `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant."""
         started = time.perf_counter()
         config = self.settings.compaction
         model = model_of(body)
@@ -116,7 +100,7 @@ class Compactor:
         budget = control.budget or config.budget_for(model)
         outcome = Outcome(tokens_before=tokens, budget=budget, estimated=self.counter.estimated)
         if tokens > budget or control.mode == "force":
-            await self.decide(body, control, budget, outcome, client_headers)
+            await self.decide(body, control, budget, outcome, client_headers, scope)
             self.log(outcome, model, time.perf_counter() - started)
         self.metrics.observe(outcome, time.perf_counter() - started)
         return outcome
@@ -128,6 +112,7 @@ class Compactor:
         budget: int,
         outcome: Outcome,
         client_headers: dict[str, str],
+        scope: str,
     ) -> None:
         """Over budget (or forced): skip when compaction can't help, else plan and compact."""
         config = self.settings.compaction
@@ -165,6 +150,7 @@ class Compactor:
                 outcome,
                 summarizer_model,
                 client_headers,
+                scope=scope,
                 budget=budget,
                 force=force,
                 carry=carry,
@@ -178,6 +164,7 @@ class Compactor:
         outcome: Outcome,
         summarizer_model: str,
         client_headers: dict[str, str],
+        scope: str,
         budget: int,
         force: bool,
         carry: Message | None,
@@ -193,7 +180,7 @@ class Compactor:
                 prepared,
                 compaction,
                 self.summarizer_for(summarizer_model, client_headers),
-                scope=scope_for(credential_of(client_headers.items()), self.settings.cache.scope),
+                scope=scope,
                 namespace=self.namespace(summarizer_model),
                 budget=budget,
                 force=force,
@@ -257,20 +244,16 @@ class Compactor:
         )
 
     def summarizer_for(self, model: str, client_headers: dict[str, str]) -> UpstreamSummarizer:
-        """Defaults: the upstream's URL, the request's model, the client's own credential
-        (and organization/project headers, so the summary is billed where the request is)."""
+        """Defaults: the upstream's URL and the request's model; `client_headers` carry the
+        credential and organization/project headers, so the summary is billed where the
+        request is."""
         config = self.settings.compaction.summarizer
         upstream = self.settings.upstream
-        api_key = config.api_key or upstream.api_key
-        headers = dict(client_headers)
-        if api_key is not None:
-            headers.pop("api-key", None)
-            headers["authorization"] = f"Bearer {api_key.get_secret_value()}"
         return UpstreamSummarizer(
             self.client,
             base_url=config.base_url or upstream.base_url,
             model=model,
-            headers=headers,
+            headers=client_headers,
             max_tokens=self.settings.compaction.summary_max_tokens,
             timeout_s=config.timeout_s,
             retries=config.retries,

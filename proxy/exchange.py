@@ -27,12 +27,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from proxy.auth import Caller
 from proxy.disconnect import cancel_on_disconnect
 from proxy.errors import ProxyError
-from proxy.headers import REQUEST_ID, Headers, client_headers_of, upstream_request_headers
+from proxy.headers import REQUEST_ID, Headers, client_headers_of
 from proxy.report import Outcome
 from proxy.state import ProxyState
-from proxy.upstream import RequestContent
+from proxy.upstream import ReplyTap, RequestContent
 
 log = logging.getLogger("proxy.exchange")
 
@@ -145,7 +146,15 @@ def _request_id(raw_headers: Iterable[tuple[bytes, bytes]]) -> str:
 class Exchange:
     """A route handler's view of its request. Build one at the top of the handler."""
 
-    __slots__ = ("client_headers", "outcome", "record", "request", "request_id", "state")
+    __slots__ = (
+        "caller",
+        "client_headers",
+        "outcome",
+        "record",
+        "request",
+        "request_id",
+        "state",
+    )
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -158,6 +167,13 @@ class Exchange:
         self.record = record
         self.request_id = record.request_id
         self.outcome: Outcome | None = None
+        self.caller: Caller | None = None
+
+    def admit(self) -> Caller:
+        """Who is calling (raises a 401 ProxyError with keys on and no known key)."""
+        caller = self.caller = self.state.gate.admit(self.client_headers)
+        self.record.key_id = caller.key_id
+        return caller
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.record.started) * 1000
@@ -188,9 +204,9 @@ class Exchange:
         return outcome.headers(self.elapsed_ms() if overhead is None else overhead * 1000)
 
     def upstream_headers(self) -> Headers:
-        return upstream_request_headers(
-            self.client_headers, request_id=self.request_id, api_key=self.state.upstream.api_key
-        )
+        """The client's headers for the upstream, under the caller's credential (see admit)."""
+        caller = self.caller if self.caller is not None else self.admit()
+        return caller.upstream_headers(self.client_headers, self.request_id)
 
     async def open(
         self, method: str, path: str, *, headers: Headers, content: RequestContent | None
@@ -218,9 +234,12 @@ class Exchange:
         return await cancel_on_disconnect(self.request.receive, work)
 
     async def relay(
-        self, response: httpx.Response, extra_headers: Mapping[str, str] | None = None
+        self,
+        response: httpx.Response,
+        extra_headers: Mapping[str, str] | None = None,
+        tap: ReplyTap | None = None,
     ) -> Response:
-        return await self.state.upstream.relay(response, self.request_id, extra_headers)
+        return await self.state.upstream.relay(response, self.request_id, extra_headers, tap)
 
     def error(self, exc: ProxyError, extra_headers: Mapping[str, str] | None = None) -> Response:
         """The error's envelope, with the request id (and any `extra_headers`)."""

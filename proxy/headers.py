@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from starlette.types import Scope
 
+from proxy import __version__
+
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -49,22 +51,29 @@ def _end_to_end(headers: Iterable[tuple[str, str]]) -> Headers:
     return [(name, value) for name, value in pairs if name.lower() not in drop]
 
 
+_CREDENTIALS = frozenset({"authorization", "api-key"})
+
+
 def upstream_request_headers(
     client_headers: Iterable[tuple[str, str]],
     *,
     request_id: str,
     api_key: str | None,
+    forward_client_credential: bool = True,
 ) -> Headers:
     """Headers to send upstream: end-to-end ones, minus our control headers and the length.
 
-    With `api_key`, the proxy's own credential replaces whatever the client sent.
+    With `api_key`, the proxy's own credential replaces whatever the client sent. With
+    `forward_client_credential=False` (the client's credential is a proxy key) the client's
+    credential never goes upstream, replaced or not.
     """
+    drop_credential = api_key is not None or not forward_client_credential
     result: Headers = []
     for name, value in _end_to_end(client_headers):
         lower = name.lower()
         if lower in _REQUEST_RECOMPUTED or lower.startswith(CONTROL_PREFIX):
             continue
-        if api_key is not None and lower in ("authorization", "api-key"):
+        if drop_credential and lower in _CREDENTIALS:
             continue
         result.append((name, value))
     if api_key is not None:
@@ -72,6 +81,35 @@ def upstream_request_headers(
     if not any(name.lower() == REQUEST_ID for name, _ in result):
         result.append((REQUEST_ID, request_id))
     return result
+
+
+# Client headers the summarizer call carries over: who pays, and with which key.
+SUMMARIZER_HEADERS = _CREDENTIALS | {"openai-organization", "openai-project"}
+
+
+USER_AGENT = f"compaction-proxy/{__version__}"
+
+
+def summarizer_request_headers(
+    client_headers: Iterable[tuple[str, str]],
+    *,
+    request_id: str,
+    api_key: str | None,
+    forward_client_credential: bool = True,
+) -> dict[str, str]:
+    """Headers for the summarizer call, under the same credential rule as the request itself:
+    the client's SUMMARIZER_HEADERS, the request id (so the upstream's logs tie the summary to
+    the request that caused it) and the proxy's own User-Agent."""
+    drop_credential = api_key is not None or not forward_client_credential
+    headers = {
+        name.lower(): value
+        for name, value in client_headers
+        if name.lower() in SUMMARIZER_HEADERS
+        and not (drop_credential and name.lower() in _CREDENTIALS)
+    }
+    if api_key is not None:
+        headers["authorization"] = f"Bearer {api_key}"
+    return {**headers, REQUEST_ID: request_id, "user-agent": USER_AGENT}
 
 
 # The server in front of the app (uvicorn) writes its own Date; relaying the upstream's too

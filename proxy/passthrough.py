@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.auth import check_model
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
+from proxy.quota.quotas import reply_quota_headers
 from proxy.upstream import RequestContent
 from proxy.validation import read_body
 
@@ -18,20 +21,25 @@ async def passthrough(request: Request) -> Response:
     """Relay any method and body. Bodies up to server.max_body_bytes are read first so that a
     client disconnect can cancel the upstream call; bigger uploads are streamed through."""
     exchange = Exchange(request)
-    headers = exchange.upstream_headers()
     length = request.headers.get("content-length")
     chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
     limit = exchange.state.settings.server.max_body_bytes
     content: RequestContent | None = None
     watch = True
     try:
+        caller = exchange.admit()
+        headers = exchange.upstream_headers()
         if length is not None and length.isdigit() and int(length) <= limit:
             content = await read_body(request, limit)
+            if caller.key is not None:
+                check_model(caller.key, model_in(content))
         elif length is not None or chunked:
             content = request.stream()
             watch = False  # `receive` belongs to the upload until it ends
             if length is not None:
                 headers.append(("content-length", length))
+
+        quota = await exchange.state.quotas.charge(caller.key, 0)
 
         def send() -> Awaitable[httpx.Response]:
             return exchange.open(
@@ -43,4 +51,16 @@ async def passthrough(request: Request) -> Response:
         return exchange.error(exc)
     except ClientDisconnected:
         return exchange.disconnected()
-    return await exchange.relay(response)
+    return await exchange.relay(response, reply_quota_headers(quota))
+
+
+def model_in(content: bytes) -> str:
+    """The `model` of a JSON body ("" if none): keys' allowed_models apply to every route."""
+    if b'"model"' not in content:
+        return ""
+    try:
+        data = json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else ""

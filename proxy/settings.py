@@ -15,7 +15,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -134,6 +142,72 @@ class CacheSettings(Section):
 
 
 ENV_PREFIX = "COMPACTION_PROXY_"
+_KEY_ID = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}$"
+
+
+class KeySettings(Section):
+    """One proxy key: who it is, what it may use, how it is compacted, how much it may spend."""
+
+    id: str = Field(pattern=_KEY_ID)
+    # The key itself: its sha256 hex digest, or the name of an env var holding it.
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    key_env: str | None = None
+    # Env var holding this key's own upstream credential (else upstream.api_key).
+    upstream_api_key_env: str | None = None
+    allowed_models: list[str] = ["*"]
+    budget_tokens: int | None = Field(None, gt=0)
+    mode: Literal["auto", "off", "force"] | None = None
+    strategy: str | None = None
+    requests_per_minute: int | None = Field(None, gt=0)
+    prompt_tokens_per_minute: int | None = Field(None, gt=0)
+    prompt_tokens_per_day: int | None = Field(None, gt=0)
+    spend_usd_per_day: float | None = Field(None, gt=0)
+    spend_usd_per_month: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> KeySettings:
+        if (self.key_sha256 is None) == (self.key_env is None):
+            raise ValueError("set exactly one of key_sha256 and key_env")
+        return self
+
+
+class AuthSettings(Section):
+    keys: list[KeySettings] = []
+    # TOML or JSON file with more keys (same fields), re-read on change or SIGHUP.
+    keys_file: str | None = None
+    # How often the keys file's mtime is checked (seconds).
+    reload_interval_s: float = Field(1.0, gt=0)
+    # Serve a non-loopback address with upstream.api_key set and no keys (anyone may spend).
+    allow_anonymous: bool = False
+
+
+class AdminSettings(Section):
+    # Name of the env var holding the admin token for /admin/*; unset: admin routes answer 401.
+    token_env: str | None = None
+
+
+class QuotaSettings(Section):
+    # Where quota counters and usage live: "auto" = redis when cache.backend = "redis".
+    backend: Literal["auto", "memory", "redis"] = "auto"
+    # A redis:// URL, a redis+cluster:// URL, or a list of cluster nodes (host:port or URLs).
+    # Unset: cache.redis_url.
+    redis_url: str | list[str] | None = None
+    key_prefix: str = Field("compaction-proxy:", pattern=r"^[^{}]*$")
+    # Redis unreachable: "open" lets requests through unmetered, "closed" answers 503.
+    on_redis_error: Literal["open", "closed"] = "open"
+    socket_timeout_s: float = Field(0.25, gt=0)
+    # Days of per-key usage kept.
+    usage_retention_days: int = Field(400, gt=0)
+    # Ask the upstream for stream_options.include_usage (and hide it again) to count streams.
+    request_stream_usage: bool = True
+
+
+class PriceSettings(Section):
+    """USD per 1M tokens."""
+
+    input: float = Field(ge=0)
+    cached_input: float | None = Field(None, ge=0)
+    output: float = Field(ge=0)
 
 
 class Settings(BaseSettings):
@@ -151,6 +225,11 @@ class Settings(BaseSettings):
     models: dict[str, ModelSettings] = {}
     compaction: CompactionSettings = CompactionSettings()
     cache: CacheSettings = CacheSettings()
+    auth: AuthSettings = AuthSettings()
+    admin: AdminSettings = AdminSettings()
+    quota: QuotaSettings = QuotaSettings()
+    # USD per 1M tokens by model glob; entries here override the shipped defaults (pricing.py).
+    pricing: dict[str, PriceSettings] = {}
 
 
 class ConfigError(Exception):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxy.auth import Gate
 from proxy.compactor import Compactor, PromptCounter
+from proxy.quota import Quotas
 from proxy.settings import Settings
 from proxy.upstream import Upstream
+from proxy.usage import Meter
 
 
 @dataclass
@@ -15,3 +18,6 @@ class ProxyState:
     upstream: Upstream
     counter: PromptCounter
     compactor: Compactor
+    gate: Gate  # who may call (proxy keys)
+    quotas: Quotas
+    meter: Meter  # usage accounting

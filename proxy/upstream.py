@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -26,6 +27,20 @@ RequestContent = bytes | AsyncIterator[bytes]
 WHOLE_REPLY_BYTES = 256 * 1024
 
 
+class ReplyTap(Protocol):
+    """Reads a reply as it is relayed (usage accounting), changing nothing unless it says so."""
+
+    def whole(self, status: int, headers: httpx.Headers, body: bytes) -> Mapping[str, str]:
+        """A reply read whole (`body` as relayed, still content-encoded); headers to add."""
+        ...
+
+    def relay(
+        self, status: int, headers: httpx.Headers, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """A reply relayed as it arrives; yields what the client gets."""
+        ...
+
+
 class UpstreamBrokeOff(Exception):
     """The upstream failed after the reply had started; the client connection is aborted."""
 
@@ -37,7 +52,6 @@ class Upstream:
         self.client = client
         self.base_url = settings.base_url
         self.host = urlsplit(settings.base_url).netloc
-        self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
         self.timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
 
     def url_for(self, path: str, query: bytes = b"") -> str:
@@ -96,6 +110,7 @@ class Upstream:
         upstream: httpx.Response,
         request_id: str,
         extra_headers: Mapping[str, str] | None = None,
+        tap: ReplyTap | None = None,
     ) -> Response:
         """The upstream's reply for the client, byte for byte; the upstream response is closed.
 
@@ -114,11 +129,6 @@ class Upstream:
         if streaming:
             extra.setdefault("cache-control", "no-cache")
             extra.setdefault("x-accel-buffering", "no")
-        names = {name.lower() for name in extra}
-        headers = [(k, v) for k, v in headers if k.lower() not in names] + list(extra.items())
-        raw_headers = [
-            (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers
-        ]
         length = upstream.headers.get("content-length", "")
         response: Response
         if not streaming and length.isdigit() and int(length) <= WHOLE_REPLY_BYTES:
@@ -131,9 +141,19 @@ class Upstream:
                     type="upstream_error",
                     code="upstream_broke_off",
                 ).response(extra)
+            if tap is not None:
+                extra.update(tap.whole(upstream.status_code, upstream.headers, body))
             response = Response(body, upstream.status_code)
         else:
-            response = StreamingResponse(_relay_body(upstream, self.host), upstream.status_code)
+            chunks = _relay_body(upstream, self.host)
+            if tap is not None:
+                chunks = tap.relay(upstream.status_code, upstream.headers, chunks)
+            response = StreamingResponse(chunks, upstream.status_code)
+        names = {name.lower() for name in extra}
+        headers = [(k, v) for k, v in headers if k.lower() not in names] + list(extra.items())
+        raw_headers = [
+            (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers
+        ]
         response.raw_headers = raw_headers
         return response
 

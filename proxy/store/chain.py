@@ -31,11 +31,20 @@ def _digest(data: bytes, person: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=_DIGEST_SIZE, person=person).digest()
 
 
-def scope_for(credential: str | None, mode: Literal["credential", "global"]) -> str:
+def scope_for(
+    credential: str | None,
+    mode: Literal["credential", "global"],
+    *,
+    key_id: str | None = None,
+) -> str:
     """The tenant scope: a one-way hash of the credential, never the credential itself.
 
-    Requests without a credential share the "anonymous" scope; "global" shares one scope for all.
+    With proxy keys, the key's id is the tenant: a rotated key keeps its summaries and two
+    keys never share (whatever `mode` says). Requests without a credential share the
+    "anonymous" scope; "global" shares one scope for all.
     """
+    if key_id is not None:
+        return "k:" + _digest(key_id.encode("utf-8"), b"cp-scope-key").hex()
     if mode == "global":
         return "global"
     if credential is None:

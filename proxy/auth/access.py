@@ -1,0 +1,87 @@
+"""Who is calling, and with which credential the proxy talks upstream on their behalf.
+
+`Gate.admit` runs first on every /v1 request. Its `Caller` is then the only source of the
+upstream credential: for the forwarded request (`headers.upstream_request_headers`), for the
+summarizer call (`headers.summarizer_request_headers`) and for the summary store's scope.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from proxy.auth.keys import ProxyKey
+from proxy.auth.keys_file import KeySource
+from proxy.auth.policy import authenticate
+from proxy.headers import (
+    Headers,
+    credential_of,
+    summarizer_request_headers,
+    upstream_request_headers,
+)
+from proxy.settings import Settings
+from proxy.store import scope_for
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The authenticated client (`key` is None when the proxy runs without keys)."""
+
+    key: ProxyKey | None
+    # Replaces the client's credential upstream; None: forward the client's own (no keys).
+    upstream_api_key: str | None
+    summarizer_api_key: str | None
+
+    @property
+    def key_id(self) -> str | None:
+        return None if self.key is None else self.key.id
+
+    def upstream_headers(self, client_headers: Headers, request_id: str) -> Headers:
+        return upstream_request_headers(
+            client_headers,
+            request_id=request_id,
+            api_key=self.upstream_api_key,
+            forward_client_credential=self.key is None,
+        )
+
+    def summarizer_headers(self, client_headers: Headers, request_id: str) -> dict[str, str]:
+        return summarizer_request_headers(
+            client_headers,
+            request_id=request_id,
+            api_key=self.summarizer_api_key,
+            forward_client_credential=self.key is None,
+        )
+
+
+class Gate:
+    """Admission for /v1: with keys configured, every request must carry a known one."""
+
+    def __init__(self, settings: Settings, source: KeySource) -> None:
+        self.source = source
+        self.settings = settings
+        upstream = settings.upstream.api_key
+        summarizer = settings.compaction.summarizer.api_key
+        self._upstream_key = upstream.get_secret_value() if upstream else None
+        self._summarizer_key = summarizer.get_secret_value() if summarizer else None
+        self._anonymous = Caller(
+            None, self._upstream_key, self._summarizer_key or self._upstream_key
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.source.configured
+
+    def admit(self, client_headers: Iterable[tuple[str, str]]) -> Caller:
+        """The caller, or a 401 ProxyError (`invalid_api_key`)."""
+        if not self.source.configured:
+            return self._anonymous
+        self.source.maybe_reload()
+        key = authenticate(self.source.ring, client_headers)
+        upstream = key.upstream_api_key or self._upstream_key
+        return Caller(key, upstream, self._summarizer_key or upstream)
+
+    def scope(self, caller: Caller, client_headers: Headers) -> str:
+        """The summary store tenant: the key id with keys, else the client's credential."""
+        return scope_for(
+            credential_of(client_headers), self.settings.cache.scope, key_id=caller.key_id
+        )

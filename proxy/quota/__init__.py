@@ -1,0 +1,42 @@
+"""Per-key quotas (requests and prompt tokens per minute/day, spend per day/month) and the
+ledger that holds them and the per-day usage, in memory or in Redis (single node or cluster).
+"""
+
+from __future__ import annotations
+
+from proxy.quota.ledger import USAGE_FIELDS, Ledger, LedgerUnavailable, UsageRow
+from proxy.quota.memory import MemoryLedger
+from proxy.quota.quotas import Quotas
+from proxy.settings import ConfigError, Settings
+
+__all__ = [
+    "USAGE_FIELDS",
+    "Ledger",
+    "LedgerUnavailable",
+    "MemoryLedger",
+    "Quotas",
+    "UsageRow",
+    "create_ledger",
+]
+
+
+def create_ledger(settings: Settings) -> Ledger:
+    """Redis when quota.backend says so (or "auto" and cache.backend = "redis"), else memory."""
+    quota = settings.quota
+    backend = quota.backend
+    if backend == "auto":
+        backend = "redis" if settings.cache.backend == "redis" else "memory"
+    if backend == "memory":
+        return MemoryLedger(quota.usage_retention_days)
+    try:
+        from proxy.quota.connect import connect
+        from proxy.quota.redis import RedisLedger
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "redis":
+            raise
+        raise ConfigError(
+            "quota.backend = 'redis' needs the redis package: pip install 'compaction-proxy[redis]'"
+        ) from None
+    url = quota.redis_url if quota.redis_url is not None else settings.cache.redis_url
+    client = connect(url, socket_timeout_s=quota.socket_timeout_s)
+    return RedisLedger(client, quota.key_prefix, retention_days=quota.usage_retention_days)

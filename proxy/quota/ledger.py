@@ -1,0 +1,131 @@
+"""The ledger seam: what one key used, in quota windows and in per-day usage rows.
+
+`charge` is the one call on the hot path: it checks every limit of a key and, only if all
+pass, counts the request and its forwarded prompt tokens, atomically. `record` adds what a
+finished request cost (usage and spend), off the hot path. Backends: memory (one process)
+and Redis (any number of replicas, single node or cluster).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from proxy.auth.keys import Limits
+
+Denial = Literal["requests", "tokens_minute", "tokens_day", "spend_day", "spend_month"]
+
+# Per-day usage fields, all integers (dollars as micro-dollars).
+USAGE_FIELDS = (
+    "requests",
+    "prompt_tokens_sent",
+    "prompt_tokens_forwarded",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "summarizer_prompt_tokens",
+    "summarizer_completion_tokens",
+    "tokens_saved",
+    "cost_micro_usd",
+    "estimated_requests",
+)
+
+MICRO = 1_000_000
+
+
+class LedgerUnavailable(Exception):
+    """The backend could not be reached (Redis down); the caller applies on_redis_error."""
+
+
+@dataclass(frozen=True)
+class Charge:
+    """Counters after the check (incremented only when `denied is None`)."""
+
+    denied: Denial | None
+    requests: int = 0
+    tokens_minute: int = 0
+    tokens_day: int = 0
+    spend_day_micro: int = 0
+    spend_month_micro: int = 0
+
+
+@dataclass(frozen=True)
+class LimitArgs:
+    """Limits as integers, 0 = unlimited (what the Lua script and the memory backend take)."""
+
+    requests: int
+    tokens_minute: int
+    tokens_day: int
+    spend_day_micro: int
+    spend_month_micro: int
+
+    @classmethod
+    def of(cls, limits: Limits) -> LimitArgs:
+        def micro(usd: float | None) -> int:
+            return 0 if usd is None else max(1, round(usd * MICRO))
+
+        return cls(
+            limits.requests_per_minute or 0,
+            limits.prompt_tokens_per_minute or 0,
+            limits.prompt_tokens_per_day or 0,
+            micro(limits.spend_usd_per_day),
+            micro(limits.spend_usd_per_month),
+        )
+
+
+@dataclass
+class UsageRow:
+    key: str
+    model: str
+    day: str
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, object]:
+        counts = {name: self.counts.get(name, 0) for name in USAGE_FIELDS}
+        cost = counts.pop("cost_micro_usd") / MICRO
+        return {"key": self.key, "model": self.model, "day": self.day, **counts, "cost_usd": cost}
+
+
+class Ledger(Protocol):
+    name: str  # "memory" | "redis"
+    errors: int  # backend failures so far
+
+    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, now: float) -> Charge: ...
+
+    async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None: ...
+
+    async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
+        """Rows for days since..until (inclusive, "YYYY-MM-DD"); all keys when None."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def decide(limits: LimitArgs, tokens: int, c: Charge) -> Denial | None:
+    """The first limit this request would break, given the counters before it."""
+    if limits.requests and c.requests + 1 > limits.requests:
+        return "requests"
+    if limits.tokens_minute and c.tokens_minute + tokens > limits.tokens_minute:
+        return "tokens_minute"
+    if limits.tokens_day and c.tokens_day + tokens > limits.tokens_day:
+        return "tokens_day"
+    if limits.spend_day_micro and c.spend_day_micro >= limits.spend_day_micro:
+        return "spend_day"
+    if limits.spend_month_micro and c.spend_month_micro >= limits.spend_month_micro:
+        return "spend_month"
+    return None
+
+
+def oldest_kept_day(day: str, retention_days: int) -> str:
+    start = dt.date.fromisoformat(day) - dt.timedelta(days=retention_days - 1)
+    return start.isoformat()
+
+
+def days_between(since: str, until: str, limit: int = 400) -> list[str]:
+    """Every "YYYY-MM-DD" from since to until inclusive (at most `limit`, newest kept)."""
+    start, end = dt.date.fromisoformat(since), dt.date.fromisoformat(until)
+    count = (end - start).days + 1
+    if count <= 0:
+        return []
+    first = max(0, count - limit)
+    return [(start + dt.timedelta(days=i)).isoformat() for i in range(first, count)]

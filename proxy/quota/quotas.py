@@ -1,0 +1,164 @@
+"""Quota policy: a key's limits against its ledger, as a 429 or as response headers.
+
+One `charge` per request, after compaction (prompt tokens count as forwarded, so compaction
+visibly saves quota), and only for keys that have limits. Spend caps compare what the key
+has spent so far (recorded when replies finish) with its cap, so the request that crosses a
+cap still completes and the next one is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from proxy.auth.keys import ProxyKey
+from proxy.errors import ProxyError
+from proxy.quota.ledger import MICRO, Charge, Ledger, LedgerUnavailable, LimitArgs
+from proxy.quota.windows import Windows, duration_text, windows_at
+from proxy.store.protocol import RateLimitedLog
+
+log = logging.getLogger("proxy.quota")
+
+
+class Quotas:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        on_error: Literal["open", "closed"] = "open",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ledger = ledger
+        self.on_error = on_error
+        self.clock = clock
+        self.failed_open = 0  # requests let through unmetered while the ledger was down
+        self.rejected = 0
+        self._log = RateLimitedLog(log)
+
+    def counts_tokens(self, key: ProxyKey | None) -> bool:
+        """Does this key's quota need the request's prompt tokens?"""
+        if key is None:
+            return False
+        limits = key.limits
+        return (
+            limits.prompt_tokens_per_minute is not None or limits.prompt_tokens_per_day is not None
+        )
+
+    async def charge(self, key: ProxyKey | None, tokens: int) -> dict[str, str]:
+        """Count one request of `tokens` forwarded prompt tokens; the remaining-quota headers.
+
+        Raises ProxyError 429 over a limit, 503 if the ledger is down and on_error = "closed".
+        """
+        if key is None or not key.limits.any:
+            return {}
+        limits = LimitArgs.of(key.limits)
+        now = self.clock()
+        try:
+            charge = await self.ledger.charge(key.id, limits, tokens, now)
+        except LedgerUnavailable as exc:
+            self._log.warning(
+                "quota: %s ledger unavailable (%s); requests go through %s (errors=%d)",
+                self.ledger.name, exc,
+                "unmetered" if self.on_error == "open" else "refused", self.ledger.errors,
+            )  # fmt: skip
+            if self.on_error == "open":
+                self.failed_open += 1
+                return {}
+            raise ProxyError(
+                503,
+                "The proxy cannot check quotas right now (its quota store is unreachable); "
+                "try again shortly.",
+                type="server_error",
+                code="quota_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
+        w = windows_at(now)
+        headers = rate_limit_headers(limits, charge, w)
+        if charge.denied is not None:
+            self.rejected += 1
+            raise _denial(key, limits, charge, tokens, w, headers)
+        return headers
+
+
+def reply_quota_headers(headers: dict[str, str]) -> dict[str, str]:
+    """On a normal reply the upstream's own `x-ratelimit-*` pass through untouched; the key's
+    quota goes beside them as `x-compaction-ratelimit-*`."""
+    return {f"x-compaction-{name[2:]}": value for name, value in headers.items()}
+
+
+def rate_limit_headers(limits: LimitArgs, charge: Charge, w: Windows) -> dict[str, str]:
+    """OpenAI's names: x-ratelimit-{limit,remaining,reset}-{requests,tokens}."""
+    headers: dict[str, str] = {}
+    if limits.requests:
+        headers["x-ratelimit-limit-requests"] = str(limits.requests)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, limits.requests - charge.requests))
+        headers["x-ratelimit-reset-requests"] = duration_text(w.minute_reset_s)
+    if limits.tokens_minute:
+        used, limit, reset = charge.tokens_minute, limits.tokens_minute, w.minute_reset_s
+    elif limits.tokens_day:
+        used, limit, reset = charge.tokens_day, limits.tokens_day, w.day_reset_s
+    else:
+        return headers
+    headers["x-ratelimit-limit-tokens"] = str(limit)
+    headers["x-ratelimit-remaining-tokens"] = str(max(0, limit - used))
+    headers["x-ratelimit-reset-tokens"] = duration_text(reset)
+    return headers
+
+
+def _denial(
+    key: ProxyKey,
+    limits: LimitArgs,
+    charge: Charge,
+    tokens: int,
+    w: Windows,
+    headers: dict[str, str],
+) -> ProxyError:
+    code, kind = "rate_limit_exceeded", "tokens"
+    if charge.denied == "requests":
+        what, limit, used, asked, reset = (
+            "requests per minute (RPM)", limits.requests, charge.requests, 1, w.minute_reset_s
+        )  # fmt: skip
+        kind = "requests"
+    elif charge.denied == "tokens_minute":
+        what, limit, used, asked, reset = (
+            "prompt tokens per minute (TPM)", limits.tokens_minute, charge.tokens_minute,
+            tokens, w.minute_reset_s,
+        )  # fmt: skip
+    elif charge.denied == "tokens_day":
+        what, limit, used, asked, reset = (
+            "prompt tokens per day (TPD)", limits.tokens_day, charge.tokens_day, tokens,
+            w.day_reset_s,
+        )  # fmt: skip
+    else:
+        daily = charge.denied == "spend_day"
+        cap = limits.spend_day_micro if daily else limits.spend_month_micro
+        spent = charge.spend_day_micro if daily else charge.spend_month_micro
+        reset = w.day_reset_s if daily else w.month_reset_s
+        period = "daily" if daily else "monthly"
+        message = (
+            f"You exceeded your current quota: key {key.id!r} has spent ${spent / MICRO:.4f} of "
+            f"its {period} cap of ${cap / MICRO:.2f}. It resets in {duration_text(reset)}."
+        )
+        return _too_many(message, "insufficient_quota", "insufficient_quota", reset, headers)
+    message = (
+        f"Rate limit reached for key {key.id!r} on {what}: Limit {limit}, Used {used}, "
+        f"Requested {asked}."
+    )
+    if asked > limit:
+        message += " This request alone is over the limit; make it smaller."
+    else:
+        message += f" Please try again in {duration_text(reset)}."
+    return _too_many(message, kind, code, reset, headers)
+
+
+def _too_many(
+    message: str, kind: str, code: str, reset_s: float, headers: dict[str, str]
+) -> ProxyError:
+    retry = {
+        "retry-after": str(max(1, math.ceil(reset_s))),
+        "retry-after-ms": str(max(1, math.ceil(reset_s * 1000))),
+    }
+    return ProxyError(429, message, type=kind, code=code, headers={**headers, **retry})

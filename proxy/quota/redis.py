@@ -1,0 +1,176 @@
+"""Redis ledger: quota counters and usage shared by every replica.
+
+Every key of one proxy key id carries the hash tag `{<id>}`, so on a Redis Cluster they
+share a slot and the charge script (one EVALSHA: read every counter, decide, increment)
+runs atomically on one node. `record` is one non-transactional pipeline off the hot path.
+While Redis is failing, calls raise LedgerUnavailable at once for `retry_after_s` instead of
+waiting on a timeout per request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+from redis.exceptions import RedisError
+
+from proxy.quota.connect import RedisClient
+from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
+from proxy.quota.windows import windows_at
+
+T = TypeVar("T")
+
+_CHARGE_LUA = """
+local function num(k) return tonumber(redis.call('GET', k) or '0') end
+local r, tm, td = num(KEYS[1]), num(KEYS[2]), num(KEYS[3])
+local sd, sm = num(KEYS[4]), num(KEYS[5])
+local lr, ltm, ltd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local lsd, lsm = tonumber(ARGV[4]), tonumber(ARGV[5])
+local tokens = tonumber(ARGV[6])
+local denied = ''
+if lr > 0 and r + 1 > lr then denied = 'requests'
+elseif ltm > 0 and tm + tokens > ltm then denied = 'tokens_minute'
+elseif ltd > 0 and td + tokens > ltd then denied = 'tokens_day'
+elseif lsd > 0 and sd >= lsd then denied = 'spend_day'
+elseif lsm > 0 and sm >= lsm then denied = 'spend_month'
+end
+if denied == '' then
+  if lr > 0 then
+    r = redis.call('INCR', KEYS[1]); redis.call('EXPIRE', KEYS[1], ARGV[7])
+  end
+  if ltm > 0 and tokens > 0 then
+    tm = redis.call('INCRBY', KEYS[2], tokens); redis.call('EXPIRE', KEYS[2], ARGV[7])
+  end
+  if ltd > 0 and tokens > 0 then
+    td = redis.call('INCRBY', KEYS[3], tokens); redis.call('EXPIRE', KEYS[3], ARGV[8])
+  end
+end
+return {denied, r, tm, td, sd, sm}
+"""
+
+_OUTAGE = (RedisError, OSError, TimeoutError)
+_MINUTE_TTL_S = 120
+_DAY_TTL_S = 2 * 86400
+_MONTH_TTL_S = 32 * 86400
+_SEP = "\n"  # between model and field in a usage hash (model names never hold one)
+
+
+class RedisLedger:
+    name = "redis"
+
+    def __init__(
+        self,
+        client: RedisClient,
+        key_prefix: str,
+        *,
+        retention_days: int = 400,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.prefix = key_prefix
+        self.retention_days = retention_days
+        self.errors = 0
+        self.last_error: str | None = None
+        self._retry_after_s = retry_after_s
+        self._retry_at = float("-inf")
+        self._clock = clock
+        self._charge = client.register_script(_CHARGE_LUA)
+
+    def key(self, key_id: str, *parts: str) -> str:
+        return ":".join([f"{self.prefix}{{{key_id}}}", *parts])
+
+    @property
+    def index_key(self) -> str:
+        return f"{self.prefix}usage-keys"
+
+    async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T:
+        if self._clock() < self._retry_at:
+            raise LedgerUnavailable(self.last_error or "redis unavailable")
+        try:
+            return await call()
+        except _OUTAGE as exc:
+            self.errors += 1
+            self.last_error = type(exc).__name__
+            self._retry_at = self._clock() + self._retry_after_s
+            raise LedgerUnavailable(self.last_error) from exc
+
+    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, now: float) -> Charge:
+        w = windows_at(now)
+        keys = [
+            self.key(key_id, "rpm", w.minute),
+            self.key(key_id, "tpm", w.minute),
+            self.key(key_id, "tpd", w.day),
+            self.key(key_id, "spend", w.day),
+            self.key(key_id, "spend", w.month),
+        ]
+        args = [
+            limits.requests,
+            limits.tokens_minute,
+            limits.tokens_day,
+            limits.spend_day_micro,
+            limits.spend_month_micro,
+            tokens,
+            _MINUTE_TTL_S,
+            _DAY_TTL_S,
+        ]
+
+        async def call() -> list[Any]:
+            return cast(list[Any], await self._charge(keys=keys, args=args))
+
+        result = await self._guarded(call)
+        denied = result[0].decode() if isinstance(result[0], bytes) else result[0]
+        counts = [int(value) for value in result[1:]]
+        return Charge(cast(Denial, denied) if denied else None, *counts)
+
+    async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None:
+        w = windows_at(now)
+        usage_key = self.key(key_id, "usage", w.day)
+
+        async def call() -> object:
+            pipe = self.client.pipeline(transaction=False)
+            for name, value in counts.items():
+                if value:
+                    pipe.hincrby(usage_key, f"{model}{_SEP}{name}", value)
+            pipe.expire(usage_key, self.retention_days * 86400)
+            cost = counts.get("cost_micro_usd", 0)
+            if cost:
+                for window, ttl in ((w.day, _DAY_TTL_S), (w.month, _MONTH_TTL_S)):
+                    pipe.incrby(self.key(key_id, "spend", window), cost)
+                    pipe.expire(self.key(key_id, "spend", window), ttl)
+            pipe.sadd(self.index_key, key_id)
+            return await pipe.execute()
+
+        await self._guarded(call)
+
+    async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
+        days = days_between(since, until, self.retention_days)
+
+        async def call() -> list[UsageRow]:
+            ids = key_ids
+            if ids is None:
+                members = await self.client.smembers(self.index_key)
+                ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+            pipe = self.client.pipeline(transaction=False)
+            pairs = [(key_id, day) for key_id in ids for day in days]
+            for key_id, day in pairs:
+                pipe.hgetall(self.key(key_id, "usage", day))
+            hashes = await pipe.execute() if pairs else []
+            rows: list[UsageRow] = []
+            for (key_id, day), fields in zip(pairs, hashes, strict=True):
+                by_model: dict[str, UsageRow] = {}
+                for raw_field, raw_value in fields.items():
+                    text = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
+                    model, _, name = text.rpartition(_SEP)
+                    row = by_model.setdefault(model, UsageRow(key_id, model, day))
+                    row.counts[name] = int(raw_value)
+                rows.extend(by_model[m] for m in sorted(by_model))
+            return rows
+
+        return await self._guarded(call)
+
+    async def close(self) -> None:
+        with contextlib.suppress(*_OUTAGE):
+            await self.client.aclose()

@@ -1,0 +1,19 @@
+"""Usage accounting: the upstream's reported usage per key, model and day, and its price."""
+
+from __future__ import annotations
+
+from proxy.usage.meter import COST_HEADER, ChatTap, Meter
+from proxy.usage.pricing import DEFAULT_PRICES, Price, Pricing
+from proxy.usage.tap import ReportedUsage, StreamTap, usage_of_body
+
+__all__ = [
+    "COST_HEADER",
+    "DEFAULT_PRICES",
+    "ChatTap",
+    "Meter",
+    "Price",
+    "Pricing",
+    "ReportedUsage",
+    "StreamTap",
+    "usage_of_body",
+]

@@ -1,0 +1,180 @@
+"""Usage accounting for chat completions: what each key used, per model and day.
+
+The upstream's own `usage` is the truth: prompt tokens as forwarded, cached prompt tokens
+(`prompt_tokens_details.cached_tokens`) and completion tokens are taken from the reply
+(`tap.py` reads them from the relayed bytes, streams included). When a reply carries none,
+our own counts stand in and the row counts the request as estimated. Recording happens off
+the hot path, in a task started when the reply's last byte has been relayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from typing import Any
+
+import httpx
+
+from proxy import jsonbytes
+from proxy.quota.ledger import MICRO, Ledger, LedgerUnavailable
+from proxy.report import Outcome
+from proxy.settings import Settings
+from proxy.store.protocol import RateLimitedLog
+from proxy.usage.pricing import Pricing
+from proxy.usage.tap import ReportedUsage, StreamTap, usage_of_body
+
+log = logging.getLogger("proxy.usage")
+
+COST_HEADER = "x-compaction-cost-usd"
+
+
+class Meter:
+    """Per app. Accounting is on when proxy keys are (usage is kept per key)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        ledger: Ledger,
+        pricing: Pricing,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ledger = ledger
+        self.pricing = pricing
+        self.clock = clock
+        self.request_stream_usage = settings.quota.request_stream_usage
+        self.summarizer_model = settings.compaction.summarizer.model
+        self.errors = 0
+        self._pending: set[asyncio.Task[None]] = set()
+        self._log = RateLimitedLog(log)
+
+    def with_stream_usage(
+        self, body: dict[str, Any], raw: bytes
+    ) -> tuple[dict[str, Any], bytes] | None:
+        """(body, bytes) asking the upstream for a usage event if the client streams without
+        one; else None. Without `stream_options` in the body, the field is appended to the
+        client's bytes (nothing else re-encoded)."""
+        if not self.request_stream_usage or body.get("stream") is not True:
+            return None
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            return None
+        extra = options if isinstance(options, dict) else {}
+        asked = {**body, "stream_options": {**extra, "include_usage": True}}
+        if "stream_options" not in body:
+            return asked, raw.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}'
+        return asked, jsonbytes.forwarded(asked)
+
+    def tap(self, key_id: str, model: str, outcome: Outcome, *, hide_usage: bool) -> ChatTap:
+        return ChatTap(self, key_id, model, outcome, hide_usage)
+
+    def cost_micro(
+        self, model: str, outcome: Outcome, prompt: int, cached: int, completion: int
+    ) -> tuple[int, bool]:
+        """Micro-dollars for the reply plus this request's summarizer calls; (cost, priced)."""
+        price = self.pricing.price_of(model)
+        usd = 0.0 if price is None else price.cost_usd(prompt, cached, completion)
+        summary = outcome.usage
+        if summary.input_tokens or summary.output_tokens:
+            summarizer = self.pricing.price_of(self.summarizer_model or model)
+            if summarizer is not None:
+                usd += summarizer.cost_usd(summary.input_tokens, 0, summary.output_tokens)
+        return round(usd * MICRO), price is not None
+
+    def record(self, key_id: str, model: str, counts: dict[str, int]) -> None:
+        self._spawn(self._record(key_id, model, counts, self.clock()))
+
+    async def _record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None:
+        try:
+            await self.ledger.record(key_id, model, counts, now)
+        except LedgerUnavailable as exc:
+            self.errors += 1
+            self._log.warning(
+                "usage: %s ledger unavailable (%s); a request's usage was not recorded "
+                "(errors=%d)", self.ledger.name, exc, self.errors,
+            )  # fmt: skip
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def join(self) -> None:
+        """Wait until every started recording is done (tests, shutdown)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+class ChatTap:
+    """One chat reply's accounting; satisfies `proxy.upstream.ReplyTap`."""
+
+    def __init__(
+        self, meter: Meter, key_id: str, model: str, outcome: Outcome, hide_usage: bool
+    ) -> None:
+        self.meter = meter
+        self.key_id = key_id
+        self.model = model
+        self.outcome = outcome
+        self.hide_usage = hide_usage
+
+    def whole(self, status: int, headers: httpx.Headers, body: bytes) -> Mapping[str, str]:
+        reported = None
+        if status < 400:
+            reported = usage_of_body(body, headers.get("content-encoding", ""))
+        cost, priced = self._finish(status, reported, events=0)
+        if status >= 400 or not priced:
+            return {}
+        return {COST_HEADER: f"{cost / MICRO:.6f}"}
+
+    async def relay(
+        self, status: int, headers: httpx.Headers, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        streaming = headers.get("content-type", "").startswith("text/event-stream")
+        if not streaming or status >= 400 or headers.get("content-encoding"):
+            # Not an event stream we can read: relayed untouched, our own counts recorded.
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                self._finish(status, None, events=0)
+            return
+        tap = StreamTap(hide_usage_event=self.hide_usage)
+        try:
+            async for chunk in tap.relay(chunks):
+                yield chunk
+        finally:
+            self._finish(status, tap.usage, events=tap.events)
+
+    def _finish(self, status: int, reported: ReportedUsage | None, events: int) -> tuple[int, bool]:
+        outcome = self.outcome
+        counted = outcome.tokens_before is not None
+        before = outcome.tokens_before or 0
+        after = outcome.tokens_after if outcome.tokens_after is not None else before
+        counts = {
+            "requests": 1,
+            "summarizer_prompt_tokens": outcome.usage.input_tokens,
+            "summarizer_completion_tokens": outcome.usage.output_tokens,
+        }
+        if status < 400:
+            counts["prompt_tokens_sent"] = before
+            counts["tokens_saved"] = max(0, before - after)
+            if reported is None:
+                # Our own counts: the forwarded prompt as counted, one token per stream event.
+                prompt, cached, completion = after, 0, max(0, events - 1)
+                counts["estimated_requests"] = 1
+            else:
+                prompt = reported.prompt_tokens
+                cached, completion = reported.cached_tokens, reported.completion_tokens
+            if not counted:  # compaction off: nothing counted, what was sent is what was billed
+                counts["prompt_tokens_sent"] = prompt
+            counts["prompt_tokens_forwarded"] = prompt
+            counts["cached_prompt_tokens"] = cached
+            counts["completion_tokens"] = completion
+        else:
+            prompt = cached = completion = 0
+        cost, priced = self.meter.cost_micro(self.model, outcome, prompt, cached, completion)
+        counts["cost_micro_usd"] = cost
+        self.meter.record(self.key_id, self.model, counts)
+        return cost, priced
