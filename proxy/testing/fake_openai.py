@@ -1,9 +1,10 @@
 """FakeOpenAI: an OpenAI-compatible upstream for tests, on a respx router or as an ASGI app.
 
 It answers `POST .../chat/completions` (JSON or SSE, `usage` counted with the proxy's own
-token counter), `GET .../models` and `GET .../models/{id}`, and 404s anything else with an
-OpenAI-style error. It tells the proxy's summarizer calls (recognised by the summarizer's
-system prompt) from forwarded chat requests, records every request, and replies from a script:
+token counter), `GET .../models` and `GET .../models/{id}`. On respx, other requests fall
+through to the test's own routes; served as an ASGI app, it 404s them OpenAI-style. It tells
+the proxy's summarizer calls (recognised by the summarizer's system prompt) from forwarded
+chat requests, records every request, and replies from a script:
 
     fake = FakeOpenAI(replies=[ToolCall("read_file", {"path": "a.py"}), "done"])
     fake.summaries = [Error(503)]          # the next summarizer call fails
@@ -152,6 +153,7 @@ class FakeOpenAI:
         self.calls: list[Call] = []
         self._lock = threading.Lock()
         self._counter: TokenCounter | None = None
+        self.router: respx.MockRouter | None = None  # while `mock()` is active
 
     # -- what was received -------------------------------------------------------------------
 
@@ -177,16 +179,32 @@ class FakeOpenAI:
 
     # -- respx -------------------------------------------------------------------------------
 
-    def register(self, router: respx.Router) -> respx.Route:
-        """Route everything under `base_url` on `router` to this fake."""
-        return router.route(url__startswith=self.base_url + "/").mock(side_effect=self.handle)
+    def register(self, router: respx.Router) -> list[respx.Route]:
+        """Route the fake's endpoints under `base_url` on `router` to it.
+
+        Nothing else is routed: other paths and hosts fall through to the test's other respx
+        routes and routers (e.g. the `respx_mock` fixture), and respx refuses what none mocks.
+        """
+        base = re.escape(self.base_url)
+        tail = r"(\?.*)?$"
+        routes = [
+            router.route(method="POST", url__regex=f"^{base}/chat/completions{tail}"),
+            router.route(method="GET", url__regex=f"^{base}/models(/[^/?]+)?{tail}"),
+        ]
+        for route in routes:
+            route.mock(side_effect=self.handle)
+        return routes
 
     @contextmanager
     def mock(self) -> Iterator[respx.MockRouter]:
-        """A respx mock with this fake registered; other hosts are refused, as respx does."""
+        """A respx mock (httpx's transports patched) with this fake registered, as `router`."""
         with respx.mock(assert_all_called=False) as router:
             self.register(router)
-            yield router
+            self.router = router
+            try:
+                yield router
+            finally:
+                self.router = None
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         """The respx side effect: answer one request."""

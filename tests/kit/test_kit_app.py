@@ -147,5 +147,9 @@ async def test_fake_openai_serves_real_sockets(served_fake: FakeOpenAI, served_p
             async for chunk in stream:
                 pieces.extend(c.delta.content or "" for c in chunk.choices)
         assert pieces == ["", "never"]
-    assert [c.kind for c in served_fake.calls] == ["chat", "chat"]
+    async with httpx.AsyncClient() as direct:
+        unknown = await direct.post(f"{served_fake.base_url}/embeddings", json={"input": "x"})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "not_found"
+    assert [c.kind for c in served_fake.calls] == ["chat", "chat", "other"]
     assert served_fake.calls[0].headers["authorization"] == "Bearer sk-test"

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import respx
 
 from proxy.testing import (
     FAKE_SUMMARY_PREFIX,
@@ -245,14 +246,19 @@ async def test_models_are_listed_and_looked_up(
     assert [c.kind for c in fake_openai.calls] == ["models"] * 3
 
 
-async def test_unknown_routes_are_an_openai_style_404(
-    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+async def test_what_the_fake_does_not_serve_falls_through_to_the_tests_own_routes(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI, respx_mock: respx.MockRouter
 ) -> None:
-    reply = await proxy_client.post("/v1/embeddings", json={"input": "x"}, headers=AUTH)
-    assert reply.status_code == 404
-    assert reply.json()["error"]["code"] == "not_found"
-    assert fake_openai.calls[0].kind == "other"
-    assert fake_openai.calls[0].path == "/v1/embeddings"
+    assert fake_openai.router is not None
+    fake_openai.router.post(f"{fake_openai.base_url}/embeddings").respond(json={"data": []})
+    respx_mock.get(f"{fake_openai.base_url}/files").respond(json={"object": "list"})
+    embeddings = await proxy_client.post("/v1/embeddings", json={"input": "x"}, headers=AUTH)
+    files = await proxy_client.get("/v1/files", headers=AUTH)
+    chat_reply = await proxy_client.post("/v1/chat/completions", json=chat(history(0)))
+    assert embeddings.json() == {"data": []}
+    assert files.json() == {"object": "list"}
+    assert chat_reply.status_code == 200
+    assert [c.kind for c in fake_openai.calls] == ["chat"]
 
 
 async def test_last_forwarded_messages_says_when_nothing_was_forwarded() -> None:
