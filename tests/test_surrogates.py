@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-import respx
 
-from proxy.app import create_app
+from proxy.testing import FakeOpenAI, make_settings
 from proxy.tokens import TokenCounter
-from tests.conftest import make_settings
 from tests.test_compaction_path import request_body
-from tests.upstream_fakes import FakeUpstream
 
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(make_settings(compaction={"budget_tokens": 1000}, cache={"backend": "none"}))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
-        yield c
-
-
-@pytest.fixture
-def fake(upstream: respx.MockRouter) -> FakeUpstream:
-    return FakeUpstream().install(upstream)
+pytestmark = pytest.mark.compaction_proxy(
+    compaction={"budget_tokens": 1000}, cache={"backend": "none"}
+)
 
 
 def body_with_surrogates() -> bytes:
@@ -38,36 +26,36 @@ def body_with_surrogates() -> bytes:
 
 
 async def test_compacted_history_with_lone_surrogates_is_forwarded_as_escapes(
-    client: httpx.AsyncClient, fake: FakeUpstream
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
     raw = body_with_surrogates()
-    response = await client.post(
+    response = await proxy_client.post(
         "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
     )
     assert response.status_code == 200, response.text
     assert response.headers["x-compaction-status"] == "compacted"
 
-    (forwarded,) = fake.forwarded_raw
+    (forwarded,) = [call.request.content for call in fake_openai.chat_calls]
     forwarded.decode("utf-8")  # valid UTF-8: no raw surrogate bytes
     assert b"new \\udfff tail" in forwarded  # the client's escape, unchanged
     tail = json.loads(raw)["messages"][-1]
     assert json.loads(forwarded)["messages"][-1] == tail
 
-    (summary_request,) = fake.summary_requests
-    text = summary_request.content.decode("utf-8")
+    (summary_call,) = fake_openai.summarizer_calls
+    text = summary_call.request.content.decode("utf-8")
     assert "\\ud800" not in text
     assert "old \ufffd lone" in json.loads(text)["messages"][1]["content"]
 
 
 async def test_under_budget_surrogates_are_forwarded_byte_for_byte(
-    client: httpx.AsyncClient, fake: FakeUpstream
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
     raw = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "\ud800"}]})
-    response = await client.post(
+    response = await proxy_client.post(
         "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
     )
     assert response.status_code == 200
-    assert fake.forwarded_raw == [raw.encode()]
+    assert [call.request.content for call in fake_openai.chat_calls] == [raw.encode()]
 
 
 def test_counter_counts_lone_surrogates_without_falling_back() -> None:
