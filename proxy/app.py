@@ -86,7 +86,8 @@ def create_app(
             served.serve()
         reload_on_sighup(state.gate.source)
         try:
-            yield
+            async with metrics.running():
+                yield
         finally:
             await state.meter.join()
             await ledger.close()
@@ -105,7 +106,7 @@ def create_app(
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],
-        middleware=[Middleware(ExchangeMiddleware, sinks=[AccessLog()])],
+        middleware=[Middleware(ExchangeMiddleware, sinks=[AccessLog(), metrics])],
         exception_handlers={Exception: internal_error},
         lifespan=lifespan,
     )

@@ -77,7 +77,11 @@ class Compactor:
         self.metrics = metrics
         self.planner = SummaryPlanner(store, SummaryFlight(store))
         summarizer = settings.compaction.summarizer
-        self.breaker = CircuitBreaker(summarizer.breaker_failures, summarizer.breaker_cooldown_s)
+        self.breaker = CircuitBreaker(
+            summarizer.breaker_failures,
+            summarizer.breaker_cooldown_s,
+            on_change=metrics.breaker_changed,
+        )
 
     async def run(
         self,
@@ -259,6 +263,7 @@ class Compactor:
             retries=config.retries,
             backoff_base_s=config.backoff_base_s,
             breaker=self.breaker,
+            on_result=self.metrics.summarizer_call,
         )
 
     def kept_tokens(self, body: dict[str, Any], prepared: Prepared, carry: Message | None) -> int:

@@ -1,77 +1,286 @@
-"""Prometheus metrics, one registry per app (so several apps in one process don't collide)."""
+"""Prometheus metrics: one registry per app, or shared files across `serve --workers N`.
+
+Per request the web layer's record (proxy/exchange.py) feeds the request families once the
+response is over; the compaction step feeds the compaction families with its Outcome; the
+summarizer and its circuit breaker report through small hooks. Label values are bounded:
+routes are route templates, statuses are numbers, and model names beyond the first
+`MAX_MODELS` seen (per process) count as "other", so a client sending random model names
+cannot grow the series without limit.
+
+With several worker processes (`PROMETHEUS_MULTIPROC_DIR` set before prometheus_client is
+first imported, as `serve --workers` does), every process writes its values to files in that
+directory and a scrape, answered by whichever worker, reads them all: counters and histograms
+add up, gauges say how they combine (`multiprocess_mode`). Process metrics are per worker
+then (a `pid` label), refreshed every few seconds by each worker.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.registry import Collector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.report import Outcome
 from proxy.store import SummaryStore
 
+if TYPE_CHECKING:
+    from proxy.exchange import Record
 
-class _StoreCollector(Collector):
-    """Reads the store's own failure count at scrape time."""
+_Mode = Literal["livesum", "all"]
+MAX_MODELS = 50
+_MODEL_CHARS = 64
+_PREFIX = "compaction_proxy_"
+# Proxy overhead is sub-millisecond when passing through, seconds when a summary is made.
+_OVERHEAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30, 120)
+_UPSTREAM_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_BREAKER_STATES = ("closed", "open", "half_open")
+PROCESS_REFRESH_S = 5.0
 
-    def __init__(self, store: SummaryStore) -> None:
-        self.store = store
 
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "compaction_proxy_store_errors",
-            "Summary store operations that failed (requests went on without the store).",
-            labels=["backend"],
-        )
-        family.add_metric([self.store.name], self.store.errors)
-        yield family
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 class Metrics:
+    """Every family the proxy exports (README "Metrics" lists them with their labels)."""
+
     def __init__(self, store: SummaryStore) -> None:
+        self.store = store
+        self.multiprocess = multiprocess_dir() is not None
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(store))
-        self.chat_requests = Counter(
-            "compaction_proxy_chat_requests",
-            "Chat completion requests, by compaction status.",
-            ["status"],
-            registry=self.registry,
+        if not self.multiprocess:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+        self._models: set[str] = set()
+        self._store_errors_seen = 0
+        r = self.registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(_PREFIX + name, doc, labels, registry=r)
+
+        def histogram(
+            name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+        ) -> Histogram:
+            return Histogram(_PREFIX + name, doc, labels, registry=r, buckets=buckets)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...], mode: _Mode) -> Gauge:
+            return Gauge(_PREFIX + name, doc, labels, registry=r, multiprocess_mode=mode)
+
+        self.requests = counter(
+            "requests", "Requests answered, by route, status sent and model.",
+            ("route", "status", "model"),
+        )  # fmt: skip
+        self.overhead = histogram(
+            "overhead_seconds",
+            "Time from a request's arrival until it went upstream (reading, counting, "
+            "compacting), for requests forwarded upstream.",
+            ("route",), _OVERHEAD_BUCKETS,
+        )  # fmt: skip
+        self.upstream_ttfb = histogram(
+            "upstream_ttfb_seconds",
+            "Upstream time to first byte: from sending until its status and headers arrived.",
+            ("route",), _UPSTREAM_BUCKETS,
+        )  # fmt: skip
+        self.duration = histogram(
+            "request_duration_seconds",
+            "Time from a request's arrival until its last byte was sent (or the client left).",
+            ("route",), _UPSTREAM_BUCKETS,
+        )  # fmt: skip
+        self.upstream_responses = counter(
+            "upstream_responses", "Upstream replies, by route and the upstream's status code.",
+            ("route", "status"),
+        )  # fmt: skip
+        self.in_flight = gauge("in_flight_requests", "Requests being handled now.", (), "livesum")
+        self.in_flight_streams = gauge(
+            "in_flight_streams", "Streaming (stream: true) responses being relayed now.", (),
+            "livesum",
+        )  # fmt: skip
+        self.compactions = counter(
+            "compaction_outcomes",
+            "Chat requests by what the compaction step did (status) and why (reason).",
+            ("status", "reason"),
         )
-        self.prompt_tokens = Counter(
-            "compaction_proxy_prompt_tokens",
+        self.prompt_tokens = counter(
+            "prompt_tokens",
             "Prompt tokens counted: as clients sent them (before), as forwarded (after).",
-            ["stage"],
-            registry=self.registry,
+            ("stage",),
         )
-        self.summarizer_tokens = Counter(
-            "compaction_proxy_summarizer_tokens",
-            "Tokens spent on summarizer calls.",
-            ["direction"],
-            registry=self.registry,
+        self.tokens_saved = counter(
+            "prompt_tokens_saved", "Prompt tokens compaction removed (before - after)."
         )
-        self.compaction_seconds = Histogram(
-            "compaction_proxy_compaction_seconds",
+        self.summarizer_tokens = counter(
+            "summarizer_tokens", "Tokens spent on summarizer calls.", ("direction",)
+        )
+        self.compaction_seconds = histogram(
+            "compaction_seconds",
             "Time spent compacting (summarizer included), for requests that compacted.",
-            buckets=(0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120),
-            registry=self.registry,
+            (), (0.005, 0.05, 0.25, 1, 2.5, 5, 10, 30, 60, 120),
+        )  # fmt: skip
+        self.summarizer_calls = counter(
+            "summarizer_calls", "Summarizer calls (retries included), by result: ok or error.",
+            ("result",),
+        )  # fmt: skip
+        self.summarizer_seconds = histogram(
+            "summarizer_call_seconds", "Summarizer call latency, retries and backoff included.",
+            (), (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )  # fmt: skip
+        self.summarizer_failures = counter(
+            "summarizer_failures", "Failed summarizer calls, by reason.", ("reason",)
         )
+        self.breaker_state = gauge(
+            "summarizer_breaker_state",
+            "Summarizer circuit breaker: 1 for the state it is in (with several workers: how "
+            "many workers are in each state).",
+            ("state",), "livesum",
+        )  # fmt: skip
+        self.store_lookups = counter(
+            "store_lookups",
+            "Summary store lookups of compacting requests: hit, partial (extended), miss, or "
+            "none (no store, or it was failing).",
+            ("result",),
+        )
+        self.store_errors = counter(
+            "store_errors",
+            "Summary store operations that failed (requests went on without the store).",
+            ("backend",),
+        )
+        self.store_errors.labels(store.name)
+        self.breaker_changed("closed")
+        self._process = self._process_gauges() if self.multiprocess else {}
+
+    # The web layer's record: an ExchangeSink.
+
+    def started(self, record: Record) -> None:
+        self.in_flight.inc()
+
+    def responding(self, record: Record) -> None:
+        if record.stream:
+            self.in_flight_streams.inc()
+
+    def finished(self, record: Record) -> None:
+        route = record.route
+        self.in_flight.dec()
+        if record.stream and record.status is not None:
+            self.in_flight_streams.dec()
+        status = str(record.status) if record.status is not None else "none"
+        self.requests.labels(route, status, self.model_label(record.model)).inc()
+        if record.duration_s is not None:
+            self.duration.labels(route).observe(record.duration_s)
+        if record.overhead_s is not None:
+            self.overhead.labels(route).observe(record.overhead_s)
+        if record.upstream_status is not None:
+            self.upstream_responses.labels(route, str(record.upstream_status)).inc()
+            if record.upstream_ttfb_s is not None:
+                self.upstream_ttfb.labels(route).observe(record.upstream_ttfb_s)
+        errors = self.store.errors
+        if errors != self._store_errors_seen:
+            self.store_errors.labels(self.store.name).inc(errors - self._store_errors_seen)
+            self._store_errors_seen = errors
+
+    def model_label(self, model: str | None) -> str:
+        if not model:
+            return ""
+        model = model[:_MODEL_CHARS]
+        if model in self._models:
+            return model
+        if len(self._models) < MAX_MODELS:
+            self._models.add(model)
+            return model
+        return "other"
+
+    # The compaction step, the summarizer and its breaker.
 
     def observe(self, outcome: Outcome, seconds: float) -> None:
-        self.chat_requests.labels(outcome.status).inc()
+        self.compactions.labels(outcome.status, outcome.reason or "").inc()
         if outcome.tokens_before is not None:
-            self.prompt_tokens.labels("before").inc(outcome.tokens_before)
             after = (
                 outcome.tokens_after if outcome.tokens_after is not None else outcome.tokens_before
             )
+            self.prompt_tokens.labels("before").inc(outcome.tokens_before)
             self.prompt_tokens.labels("after").inc(after)
-        self.summarizer_tokens.labels("input").inc(outcome.usage.input_tokens)
-        self.summarizer_tokens.labels("output").inc(outcome.usage.output_tokens)
+            if after < outcome.tokens_before:
+                self.tokens_saved.inc(outcome.tokens_before - after)
+        if outcome.usage.input_tokens or outcome.usage.output_tokens:
+            self.summarizer_tokens.labels("input").inc(outcome.usage.input_tokens)
+            self.summarizer_tokens.labels("output").inc(outcome.usage.output_tokens)
+        if outcome.cache is not None:
+            self.store_lookups.labels(outcome.cache).inc()
         if outcome.status in ("compacted", "extended", "reused"):
             self.compaction_seconds.observe(seconds)
 
+    def summarizer_call(self, seconds: float | None, failure: str | None) -> None:
+        """A summarizer call ended (`seconds` None: refused by the open breaker, no call);
+        `failure` is its reason, None when it succeeded."""
+        if seconds is not None:
+            self.summarizer_seconds.observe(seconds)
+            self.summarizer_calls.labels("ok" if failure is None else "error").inc()
+        if failure is not None:
+            self.summarizer_failures.labels(failure).inc()
+
+    def breaker_changed(self, state: str) -> None:
+        for name in _BREAKER_STATES:
+            self.breaker_state.labels(name).set(1 if name == state else 0)
+
+    # Process metrics with several workers, and the scrape endpoint.
+
+    def _process_gauges(self) -> dict[str, Gauge]:
+        gauges: dict[str, Gauge] = {}
+        for family in ProcessCollector(registry=None).collect():
+            for sample in family.samples:
+                gauges[sample.name] = Gauge(
+                    sample.name, family.documentation, registry=self.registry,
+                    multiprocess_mode="all",
+                )  # fmt: skip
+        return gauges
+
+    def refresh_process(self) -> None:
+        for family in ProcessCollector(registry=None).collect():
+            for sample in family.samples:
+                gauge = self._process.get(sample.name)
+                if gauge is not None:
+                    gauge.set(sample.value)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """For the app's lifespan: per-worker process gauges kept fresh; on a clean exit the
+        worker's live gauges (in flight, breaker) are dropped from the shared files."""
+        if not self.multiprocess:
+            yield
+            return
+        self.refresh_process()
+        task = asyncio.create_task(self._refresh_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROCESS_REFRESH_S)
+            self.refresh_process()
+
     async def endpoint(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        registry: Any = self.registry
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

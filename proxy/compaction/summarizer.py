@@ -45,11 +45,18 @@ class CircuitBreaker:
     """
 
     def __init__(
-        self, failure_threshold: int = 5, cooldown_s: float = 30.0, *, clock: Clock = time.monotonic
+        self,
+        failure_threshold: int = 5,
+        cooldown_s: float = 30.0,
+        *,
+        clock: Clock = time.monotonic,
+        on_change: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_change(state)`: told each time the state changes (metrics)."""
         self.failure_threshold = failure_threshold
         self.cooldown_s = cooldown_s
         self._clock = clock
+        self._on_change = on_change
         self._failures = 0
         self._opened_at: float | None = None
         self._trial_started: float | None = None
@@ -72,23 +79,43 @@ class CircuitBreaker:
         if now - since < self.cooldown_s:
             return False
         self._trial_started = now
+        self._changed("open")
         return True
 
     def record_success(self) -> None:
+        before = self.state
         self._failures = 0
         self._opened_at = self._trial_started = None
+        self._changed(before)
 
     def record_failure(self) -> None:
+        before = self.state
         self._failures += 1
         if self._opened_at is not None or self._failures >= self.failure_threshold:
             self._opened_at = self._clock()
             self._trial_started = None
+            log.warning(
+                "summarizer circuit breaker open after %d consecutive failures: summaries "
+                "paused, requests forwarded uncompacted; next trial in %gs",
+                self._failures, self.cooldown_s,
+            )  # fmt: skip
+        self._changed(before)
 
     def release(self) -> None:
         """A call ended without a verdict (cancelled): let the next caller run the trial."""
         if self._trial_started is not None:
             self._trial_started = None
             self._opened_at = self._clock() - self.cooldown_s
+            self._changed("half_open")
+
+    def _changed(self, before: str) -> None:
+        state = self.state
+        if state == before:
+            return
+        if state == "closed":
+            log.info("summarizer circuit breaker closed: the summarizer answers again")
+        if self._on_change is not None:
+            self._on_change(state)
 
 
 class _Transient(Exception):
@@ -122,7 +149,10 @@ class UpstreamSummarizer:
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
         jitter: Callable[[], float] = random.random,
+        on_result: Callable[[float | None, str | None], None] | None = None,
     ) -> None:
+        """`on_result(seconds, failure reason)` after each call (metrics); seconds is None
+        when the breaker refused the call."""
         self.client = client
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
@@ -135,6 +165,7 @@ class UpstreamSummarizer:
         self._clock = clock
         self._sleep = sleep
         self._jitter = jitter
+        self._on_result = on_result
 
     def request_body(self, system_prompt: str, messages: list[Message]) -> dict[str, Any]:
         """No tools, no streaming, a hard cap on the summary's length."""
@@ -151,10 +182,15 @@ class UpstreamSummarizer:
     async def summarize(self, system_prompt: str, messages: list[Message]) -> Summary:
         breaker = self.breaker
         if breaker is not None and not breaker.allow():
+            if self._on_result is not None:
+                self._on_result(None, "circuit_open")
             raise SummarizerError("circuit_open", "summarizer disabled after repeated failures")
+        started = self._clock()
         try:
             summary = await self._call_with_retries(self.request_body(system_prompt, messages))
         except SummarizerError as error:
+            if self._on_result is not None:
+                self._on_result(self._clock() - started, error.reason)
             if breaker is not None:
                 # A 4xx means the summarizer is up and the request was at fault.
                 if _is_client_error(error.reason):
@@ -166,6 +202,8 @@ class UpstreamSummarizer:
             if breaker is not None:
                 breaker.release()
             raise
+        if self._on_result is not None:
+            self._on_result(self._clock() - started, None)
         if breaker is not None:
             breaker.record_success()
         return summary
