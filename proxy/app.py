@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,7 +27,7 @@ from proxy.passthrough import passthrough
 from proxy.quota import Quotas, create_ledger
 from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
-from proxy.settings import Settings
+from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
 from proxy.state import ProxyState
 from proxy.store import create_store
 from proxy.tokens import TokenCounter
@@ -113,6 +114,18 @@ def create_app(
     app.state.proxy = state
     app.state.readiness = readiness
     return app
+
+
+def create_worker_app() -> Starlette:
+    """The app of one `serve --workers N` process (a uvicorn factory: workers import it).
+
+    Built from the settings the serve command resolved and left in the environment; the
+    variable is removed at once, so nothing this process starts inherits the secrets in it.
+    """
+    text = os.environ.pop(WORKER_SETTINGS_ENV, None)
+    if text is None:
+        raise RuntimeError(f"{WORKER_SETTINGS_ENV} is not set: start workers with `serve`")
+    return create_app(settings_from_json(text))
 
 
 async def healthz(request: Request) -> Response:

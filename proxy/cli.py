@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging.config
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from proxy import __version__
-from proxy.settings import ConfigError, load_settings
+from proxy.settings import ConfigError, Settings, load_settings
 
 SERVE_HELP = """\
 Start the proxy. Configuration comes from, lowest to highest precedence: built-in defaults,
@@ -46,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="server.log_level (default info)",
     )
     serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="server.workers: processes sharing the port (default 1; see README)",
+    )
+    serve.add_argument(
         "--log-format",
         choices=["text", "json"],
         help="server.log_format: text lines or one JSON object per line (default text)",
@@ -67,6 +78,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
             ("port", args.port),
             ("log_level", args.log_level),
             ("log_format", args.log_format),
+            ("workers", args.workers),
         )
         if value is not None
     }
@@ -86,9 +98,23 @@ def serve_command(args: argparse.Namespace) -> int:
     from proxy.tokens import TokenizerUnavailable
 
     settings = load_settings(args.config, serve_overrides(args))
-    logging_config = log_config(settings.server.log_level, settings.server.log_format)
+    server = settings.server
+    logging_config = log_config(server.log_level, server.log_format)
     logging.config.dictConfig(logging_config)
+    options: dict[str, Any] = {
+        "host": server.host,
+        "port": server.port,
+        "log_level": server.log_level,
+        "log_config": logging_config,
+        "access_log": False,  # the proxy writes its own access line, with more in it
+        "server_header": False,
+        # X-Forwarded-* rewriting of the client address: unused here, and a layer per request.
+        "proxy_headers": False,
+        "timeout_graceful_shutdown": server.drain_timeout_s,
+        **uvicorn_speedups(),
+    }
     try:
+        # With workers too: the tokenizer and the exposure check fail here, once.
         app = create_app(settings)
     except TokenizerUnavailable as exc:
         print(f"compaction-proxy: error: {exc}", file=sys.stderr)
@@ -96,19 +122,34 @@ def serve_command(args: argparse.Namespace) -> int:
     problem = check_exposure(settings, app.state.proxy.gate.enabled)
     if problem is not None:
         raise ConfigError(problem)
-    uvicorn.run(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_level=settings.server.log_level,
-        log_config=logging_config,
-        access_log=False,  # the proxy writes its own access line, with more in it
-        server_header=False,
-        # X-Forwarded-* rewriting of the client address: unused here, and a layer per request.
-        proxy_headers=False,
-        **uvicorn_speedups(),
-    )
+    if server.workers == 1:
+        uvicorn.run(app, **options)
+        return 0
+    del app  # each worker builds its own
+    with worker_environment(settings):
+        uvicorn.run("proxy.app:create_worker_app", factory=True, workers=server.workers, **options)
     return 0
+
+
+@contextlib.contextmanager
+def worker_environment(settings: Settings) -> Iterator[None]:
+    """What worker processes inherit: the resolved settings, and a fresh directory for
+    prometheus_client's multiprocess files (unless PROMETHEUS_MULTIPROC_DIR is set already),
+    removed when the server stops."""
+    from proxy.settings import WORKER_SETTINGS_ENV, settings_json
+
+    os.environ[WORKER_SETTINGS_ENV] = settings_json(settings)
+    made: str | None = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        made = tempfile.mkdtemp(prefix="compaction-proxy-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = made
+    try:
+        yield
+    finally:
+        os.environ.pop(WORKER_SETTINGS_ENV, None)
+        if made is not None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def uvicorn_speedups() -> dict[str, Any]:

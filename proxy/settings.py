@@ -52,6 +52,12 @@ class ServerSettings(Section):
     log_format: Literal["text", "json"] = "text"
     # How long /readyz keeps each dependency's answer (one probe per period, however polled).
     readiness_cache_s: float = Field(5.0, ge=0)
+    # Worker processes (uvicorn workers sharing the port). Each has its own memory store and
+    # circuit breaker; cache.backend = "redis" shares summaries between them.
+    workers: int = Field(1, ge=1, le=256)
+    # On SIGTERM/SIGINT: stop accepting, let requests in flight (streams included) finish for
+    # up to this many seconds, then close what is left.
+    drain_timeout_s: float = Field(30.0, ge=0)
 
 
 class UpstreamSettings(Section):
@@ -230,6 +236,26 @@ class Settings(BaseSettings):
     quota: QuotaSettings = QuotaSettings()
     # USD per 1M tokens by model glob; entries here override the shipped defaults (pricing.py).
     pricing: dict[str, PriceSettings] = {}
+
+
+# Where `serve --workers N` leaves the resolved settings for its worker processes: in their
+# environment (private to the user), never on a command line. Outside ENV_PREFIX on purpose.
+WORKER_SETTINGS_ENV = "_COMPACTION_PROXY_WORKER_SETTINGS"
+
+
+def settings_json(settings: Settings) -> str:
+    """The settings as JSON with secrets in clear, for `settings_from_json` in a worker."""
+
+    def reveal(value: object) -> object:
+        if isinstance(value, SecretStr):
+            return value.get_secret_value()
+        raise TypeError(f"cannot serialize {type(value).__name__}")
+
+    return json.dumps(settings.model_dump(), default=reveal)
+
+
+def settings_from_json(text: str) -> Settings:
+    return Settings.model_validate(json.loads(text))
 
 
 class ConfigError(Exception):

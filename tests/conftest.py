@@ -79,3 +79,21 @@ async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(transport=transport, base_url="http://proxy.test") as c:
         yield c
     await app.state.proxy.upstream.client.aclose()
+
+
+@pytest.fixture
+def preserved_logging() -> Iterator[None]:
+    """For tests that configure logging as `serve` does: the loggers it touches are put back."""
+    import logging
+
+    names = ("", "httpx", "uvicorn", "uvicorn.error", "uvicorn.access")
+    saved = [(lg, lg.level, lg.handlers[:], lg.propagate, lg.filters[:])
+             for lg in map(logging.getLogger, names)]  # fmt: skip
+    try:
+        yield
+    finally:
+        for lg, level, handlers, propagate, filters in saved:
+            lg.setLevel(level)
+            lg.handlers[:] = handlers
+            lg.propagate = propagate
+            lg.filters[:] = filters

@@ -214,9 +214,7 @@ async def test_streamed_upload_passes_through(
     assert b'name="purpose"' in sent.content
 
 
-async def test_health_and_readiness(
-    client: httpx.AsyncClient, upstream: respx.MockRouter
-) -> None:
+async def test_health_and_readiness(client: httpx.AsyncClient, upstream: respx.MockRouter) -> None:
     upstream.get("/models").respond(401, json={"error": {"message": "no key"}})
     assert (await client.get("/healthz")).json() == {"status": "ok"}
     ready = await client.get("/readyz")

@@ -8,7 +8,7 @@ import json
 import logging
 import logging.config
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -32,20 +32,12 @@ Lines = Callable[[], list[dict[str, Any]]]
 
 
 @pytest.fixture
-def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[Lines]:
+def json_lines(monkeypatch: pytest.MonkeyPatch, preserved_logging: None) -> Lines:
     """Logging configured as `serve --log-format json` does, stderr captured and parsed."""
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    touched = [logging.getLogger(name) for name in ("", "httpx", "uvicorn", "uvicorn.error")]
-    saved = [(lg, lg.level, lg.handlers[:], lg.propagate) for lg in touched]
     logging.config.dictConfig(log_config("info", "json"))
-    try:
-        yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
-    finally:
-        for lg, level, handlers, propagate in saved:
-            lg.setLevel(level)
-            lg.handlers[:] = handlers
-            lg.propagate = propagate
+    return lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
 
 
 @pytest.fixture

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,6 +154,7 @@ def test_help_documents_configuration() -> None:
     ],
 )
 def test_every_config_error_is_one_line_and_exit_2(
+    preserved_logging: None,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -186,3 +189,62 @@ def test_config_errors_never_echo_a_secret(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ConfigError) as info:
         load_settings()
     assert "upstream.api_key" in str(info.value) and "sk-live-123" not in str(info.value)
+
+
+def test_serve_hands_workers_their_settings_through_the_environment(
+    monkeypatch: pytest.MonkeyPatch, preserved_logging: None
+) -> None:
+    import uvicorn
+
+    from proxy.settings import WORKER_SETTINGS_ENV, settings_from_json
+
+    seen: dict[str, Any] = {}
+
+    def run(app: object, **options: Any) -> None:
+        directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        seen.update(
+            app=app,
+            options=options,
+            settings=settings_from_json(os.environ[WORKER_SETTINGS_ENV]),
+            metrics_dir=directory,
+            metrics_dir_existed=os.path.isdir(directory),
+        )
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setenv("COMPACTION_PROXY_UPSTREAM__API_KEY", "sk-upstream-secret")
+    monkeypatch.setenv("COMPACTION_PROXY_SERVER__DRAIN_TIMEOUT_S", "7.5")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--workers", "3", "--port", "9123"])
+    assert exit_info.value.code == 0
+    assert seen["app"] == "proxy.app:create_worker_app"
+    options = seen["options"]
+    assert options["factory"] is True and options["workers"] == 3
+    assert options["timeout_graceful_shutdown"] == 7.5
+    assert options["port"] == 9123
+    assert "sk-upstream-secret" not in repr(options)  # never on a command line
+    settings = seen["settings"]
+    assert settings.upstream.api_key.get_secret_value() == "sk-upstream-secret"
+    assert settings.server.workers == 3 and settings.server.port == 9123
+    assert seen["metrics_dir_existed"]
+    # Gone once the server has stopped.
+    assert not os.path.exists(seen["metrics_dir"])
+    assert WORKER_SETTINGS_ENV not in os.environ
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+
+
+def test_one_worker_serves_in_process_with_the_drain_timeout(
+    monkeypatch: pytest.MonkeyPatch, preserved_logging: None
+) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: seen.update(app=app, **options))
+    with pytest.raises(SystemExit):
+        main(["serve", "--log-format", "json"])
+    assert isinstance(seen["app"], Starlette)
+    assert seen["timeout_graceful_shutdown"] == 30.0
+    assert "workers" not in seen and seen["access_log"] is False
+    formatter = seen["log_config"]["formatters"]["proxy"]
+    assert formatter["log_format"] == "json"
