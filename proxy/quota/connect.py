@@ -47,6 +47,6 @@ def connect(url: str | list[str], *, socket_timeout_s: float) -> RedisClient:
         username=first.username,
         password=first.password,
         ssl=first.scheme.startswith("rediss"),
-        cluster_error_retry_attempts=1,
+        retry=Retry(NoBackoff(), 1),
         **common,
     )

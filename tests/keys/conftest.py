@@ -4,6 +4,7 @@ prefix per test, and a private 3-node Redis Cluster on loopback."""
 from __future__ import annotations
 
 import hashlib
+import random
 import secrets
 import shutil
 import socket
@@ -112,6 +113,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_ports(count: int) -> list[int]:
+    """Ports whose cluster bus port (port + 10000) is free and valid too."""
+    ports: list[int] = []
+    rng = random.Random()
+    while len(ports) < count:
+        port = rng.randrange(20000, 30000)
+        if port not in ports and _bindable(port) and _bindable(port + 10000):
+            ports.append(port)
+    return ports
+
+
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[list[str]]:
     """Three cluster-enabled redis-servers on free loopback ports, joined into one cluster."""
@@ -119,7 +140,7 @@ def redis_cluster() -> Iterator[list[str]]:
     if server is None or cli is None:
         pytest.skip("redis-server/redis-cli not installed: Redis Cluster tests need them")
     workdir = Path(tempfile.mkdtemp(prefix="cp-cluster-"))
-    ports = [free_port() for _ in range(3)]
+    ports = cluster_ports(3)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for port in ports:

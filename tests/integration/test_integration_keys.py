@@ -1,0 +1,110 @@
+"""Proxy keys over real sockets with the official openai SDK: the errors it raises for a bad
+key and an exhausted quota, its retry honouring our retry-after, and a stream it asked for
+without usage arriving without the usage chunk the proxy requested on its behalf."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from starlette.applications import Starlette
+
+from proxy.app import create_app
+from tests.integration.conftest import PROXY_UVICORN
+from tests.integration.harness import (
+    REPLY_TEXT,
+    WAIT_S,
+    FakeUpstream,
+    ServerThread,
+    proxy_settings,
+)
+
+pytestmark = pytest.mark.integration
+
+PROXY_KEY = "sk-proxy-integration-team"
+MESSAGES: list[dict[str, str]] = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture
+def keyed_proxy(upstream_url: str) -> Iterator[tuple[Starlette, str]]:
+    entry = {
+        "id": "team",
+        "key_sha256": hashlib.sha256(PROXY_KEY.encode()).hexdigest(),
+        "requests_per_minute": 1,
+    }
+    app = create_app(proxy_settings(upstream_url, auth={"keys": [entry]}))
+    server = ServerThread(app, "proxy-keys", **PROXY_UVICORN).start()
+    try:
+        yield app, f"{server.url}/v1"
+    finally:
+        server.stop()
+
+
+def sdk(url: str, key: str, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=retries, timeout=WAIT_S)
+
+
+def test_unknown_key_raises_authentication_error(
+    keyed_proxy: tuple[Starlette, str], fake_upstream: FakeUpstream
+) -> None:
+    _, url = keyed_proxy
+    with pytest.raises(openai.AuthenticationError) as info:
+        sdk(url, "sk-not-a-proxy-key").chat.completions.create(model="echo", messages=MESSAGES)
+    assert info.value.status_code == 401
+    assert info.value.code == "invalid_api_key"
+    assert "Incorrect API key" in info.value.message
+    assert fake_upstream.requests == []
+
+
+def test_quota_raises_rate_limit_error_with_message_and_retry_after(
+    keyed_proxy: tuple[Starlette, str], fake_upstream: FakeUpstream
+) -> None:
+    app, url = keyed_proxy
+    app.state.proxy.quotas.clock = lambda: 1_800_000_020.0  # 40 s before the minute ends
+    client = sdk(url, PROXY_KEY)
+    first = client.chat.completions.create(model="echo", messages=MESSAGES)
+    assert first.choices[0].message.content == REPLY_TEXT
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model="echo", messages=MESSAGES)
+    assert info.value.status_code == 429
+    assert info.value.code == "rate_limit_exceeded"
+    assert "Rate limit reached for key 'team' on requests per minute" in info.value.message
+    headers = info.value.response.headers
+    assert headers["retry-after"] == "40"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert len(fake_upstream.requests) == 1
+
+
+def test_the_sdk_retry_waits_as_retry_after_says_and_then_gets_through(
+    keyed_proxy: tuple[Starlette, str], fake_upstream: FakeUpstream
+) -> None:
+    app, url = keyed_proxy
+    quotas = app.state.proxy.quotas
+    # The proxy's clock 3 s before a minute ends: the second call is refused with
+    # retry-after 3, and only a retry that waits as told lands in the next minute.
+    offset = 57.0 - time.time() % 60
+    quotas.clock = lambda: time.time() + offset
+    sdk(url, PROXY_KEY).chat.completions.create(model="echo", messages=MESSAGES)
+    retried = sdk(url, PROXY_KEY, retries=2).chat.completions.create(
+        model="echo", messages=MESSAGES
+    )
+    assert retried.choices[0].message.content == REPLY_TEXT
+    assert quotas.rejected == 1  # refused once, then let through after the reset
+    assert len(fake_upstream.requests) == 2
+
+
+def test_stream_without_include_usage_gets_no_usage_chunk(
+    keyed_proxy: tuple[Starlette, str], fake_upstream: FakeUpstream
+) -> None:
+    _, url = keyed_proxy
+    chunks: list[Any] = list(
+        sdk(url, PROXY_KEY).chat.completions.create(model="echo", messages=MESSAGES, stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY_TEXT
+    assert all(c.choices for c in chunks)  # the usage-only chunk was removed
+    [got] = fake_upstream.requests
+    assert got.json()["stream_options"] == {"include_usage": True}

@@ -1,0 +1,275 @@
+"""Per-key quotas: requests and prompt tokens per minute/day, spend caps, across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+import respx
+
+from proxy.quota.ledger import LimitArgs
+from proxy.quota.windows import duration_text, windows_at
+from tests.keys.conftest import (
+    KEY_A,
+    KEY_B,
+    bearer,
+    chat,
+    free_port,
+    history_chat,
+    key_entry,
+    keyed_settings,
+)
+from tests.upstream_fakes import REPLY, FakeUpstream
+
+pytestmark = pytest.mark.usefixtures("upstream")
+
+
+def redis_quota(prefix: str, url: str | list[str] = "redis://127.0.0.1:6379/0") -> dict[str, Any]:
+    return {"backend": "redis", "redis_url": url, "key_prefix": prefix}
+
+
+async def test_requests_per_minute_gives_openai_429_with_retry_and_ratelimit_headers(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    route = upstream.post("/chat/completions").respond(
+        json=REPLY, headers={"x-ratelimit-remaining-requests": "4999"}
+    )
+    app = await make_app(keyed_settings(key_entry("team-a", KEY_A, requests_per_minute=2)))
+    app.state.quotas.clock = lambda: 1_800_000_030.0  # 30 s into a minute
+    first = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert first.status_code == 200
+    # The upstream's own rate-limit headers pass through untouched; ours sit beside them.
+    assert first.headers["x-ratelimit-remaining-requests"] == "4999"
+    assert first.headers["x-compaction-ratelimit-remaining-requests"] == "1"
+    assert first.headers["x-compaction-ratelimit-limit-requests"] == "2"
+    second = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert second.status_code == 200
+    third = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert third.status_code == 429
+    error = third.json()["error"]
+    assert error["code"] == "rate_limit_exceeded"
+    assert error["type"] == "requests"
+    assert "Limit 2, Used 2, Requested 1" in error["message"]
+    assert third.headers["retry-after"] == "30"
+    assert third.headers["x-ratelimit-limit-requests"] == "2"
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    assert third.headers["x-ratelimit-reset-requests"] == "30s"
+    assert route.call_count == 2
+    app.state.quotas.clock = lambda: 1_800_000_060.0  # the next minute
+    again = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert again.status_code == 200
+
+
+async def test_limits_are_per_key(make_app: Any, upstream: respx.MockRouter) -> None:
+    upstream.post("/chat/completions").respond(json=REPLY)
+    app = await make_app(
+        keyed_settings(
+            key_entry("team-a", KEY_A, requests_per_minute=1),
+            key_entry("team-b", KEY_B, requests_per_minute=1),
+        )
+    )
+    for key in (KEY_A, KEY_B):
+        reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))
+        assert reply.status_code == 200
+    denied = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert denied.status_code == 429
+
+
+async def test_prompt_tokens_count_as_forwarded_so_compaction_saves_quota(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    FakeUpstream().install(upstream)
+    body = history_chat(words=100)  # about 1000 prompt tokens before compaction
+    settings = keyed_settings(
+        key_entry("team-a", KEY_A, prompt_tokens_per_day=700, budget_tokens=400)
+    )
+    app = await make_app(settings)
+    compacted = await app.client.post("/v1/chat/completions", json=body, headers=bearer(KEY_A))
+    assert compacted.status_code == 200, compacted.text
+    before = int(compacted.headers["x-compaction-tokens-before"])
+    after = int(compacted.headers["x-compaction-tokens-after"])
+    assert after < 700 < before
+    remaining = int(compacted.headers["x-compaction-ratelimit-remaining-tokens"])
+    assert remaining == 700 - after
+    uncompacted = await app.client.post(
+        "/v1/chat/completions", json=body, headers={**bearer(KEY_A), "x-compaction": "off"}
+    )
+    assert uncompacted.status_code == 429
+    error = uncompacted.json()["error"]
+    assert error["code"] == "rate_limit_exceeded"
+    assert error["type"] == "tokens"
+    assert "prompt tokens per day" in error["message"]
+    assert "This request alone is over the limit" in error["message"]
+
+
+async def test_spend_cap_refuses_the_next_request_with_insufficient_quota(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    usage = {"prompt_tokens": 1_000_000, "completion_tokens": 0, "total_tokens": 1_000_000}
+    upstream.post("/chat/completions").respond(json={**REPLY, "usage": usage})
+    app = await make_app(keyed_settings(key_entry("team-a", KEY_A, spend_usd_per_day=0.10)))
+    first = await app.client.post(
+        "/v1/chat/completions", json=chat("gpt-4o-mini"), headers=bearer(KEY_A)
+    )
+    assert first.status_code == 200
+    assert first.headers["x-compaction-cost-usd"] == "0.150000"  # 1M input tokens at $0.15
+    await app.state.meter.join()
+    second = await app.client.post(
+        "/v1/chat/completions", json=chat("gpt-4o-mini"), headers=bearer(KEY_A)
+    )
+    assert second.status_code == 429
+    error = second.json()["error"]
+    assert error["code"] == "insufficient_quota"
+    assert error["type"] == "insufficient_quota"
+    assert "$0.1500 of its daily cap of $0.10" in error["message"]
+    assert int(second.headers["retry-after"]) > 0
+
+
+async def test_two_replicas_sharing_redis_let_exactly_n_of_n_plus_k_through(
+    make_app: Any, upstream: respx.MockRouter, redis_prefix: str
+) -> None:
+    upstream.post("/chat/completions").respond(json=REPLY)
+    settings = keyed_settings(
+        key_entry("team-a", KEY_A, requests_per_minute=7), quota=redis_quota(redis_prefix)
+    )
+    replicas = [await make_app(settings), await make_app(settings)]
+    for replica in replicas:
+        replica.state.quotas.clock = lambda: 1_800_000_010.0
+
+    async def send(i: int) -> int:
+        client = replicas[i % 2].client
+        reply = await client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+        return reply.status_code
+
+    codes = await asyncio.gather(*(send(i) for i in range(7 + 5)))
+    assert sorted(codes) == [200] * 7 + [429] * 5
+
+
+async def test_spend_recorded_by_one_replica_caps_the_other(
+    make_app: Any, upstream: respx.MockRouter, redis_prefix: str
+) -> None:
+    usage = {"prompt_tokens": 1_000_000, "completion_tokens": 0, "total_tokens": 1_000_000}
+    upstream.post("/chat/completions").respond(json={**REPLY, "usage": usage})
+    settings = keyed_settings(
+        key_entry("team-a", KEY_A, spend_usd_per_month=0.10), quota=redis_quota(redis_prefix)
+    )
+    one, two = await make_app(settings), await make_app(settings)
+    ok = await one.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert ok.status_code == 200
+    await one.state.meter.join()
+    capped = await two.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert capped.status_code == 429
+    assert capped.json()["error"]["code"] == "insufficient_quota"
+    assert "monthly cap" in capped.json()["error"]["message"]
+
+
+async def test_redis_down_fails_open_with_a_metric_and_one_warning(
+    make_app: Any, upstream: respx.MockRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    upstream.post("/chat/completions").respond(json=REPLY)
+    dead = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    settings = keyed_settings(
+        key_entry("team-a", KEY_A, requests_per_minute=1), quota=redis_quota("p:", dead)
+    )
+    app = await make_app(settings)
+    with caplog.at_level(logging.WARNING, logger="proxy.quota"):
+        for _ in range(3):
+            reply = await app.client.post(
+                "/v1/chat/completions", json=chat(), headers=bearer(KEY_A)
+            )
+            assert reply.status_code == 200  # over the limit of 1, but unmetered
+    warnings = [r for r in caplog.records if r.name == "proxy.quota"]
+    assert len(warnings) == 1
+    assert "unmetered" in warnings[0].getMessage()
+    assert "hunter2" not in caplog.text
+    metrics = (await app.client.get("/metrics")).text
+    assert 'compaction_proxy_quota_failed_open_total{backend="redis"} 3.0' in metrics
+
+
+async def test_redis_down_fails_closed_when_configured(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    route = upstream.post("/chat/completions").respond(json=REPLY)
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    quota = {**redis_quota("p:", dead), "on_redis_error": "closed"}
+    app = await make_app(
+        keyed_settings(key_entry("team-a", KEY_A, requests_per_minute=10), quota=quota)
+    )
+    reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "quota_unavailable"
+    assert not route.called
+
+
+async def test_keys_without_limits_never_touch_the_ledger(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    upstream.post("/chat/completions").respond(json=REPLY)
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    app = await make_app(keyed_settings(key_entry("team-a", KEY_A), quota=redis_quota("p:", dead)))
+    reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert reply.status_code == 200
+    assert "x-compaction-ratelimit-remaining-requests" not in reply.headers
+    assert app.state.quotas.ledger.errors == 0
+
+
+async def test_cluster_two_replicas_exactly_n_and_one_slot_per_key(
+    make_app: Any, upstream: respx.MockRouter, redis_cluster: list[str]
+) -> None:
+    upstream.post("/chat/completions").respond(json=REPLY)
+    prefix = "test-cluster:"
+    settings = keyed_settings(
+        key_entry("team-a", KEY_A, requests_per_minute=5, prompt_tokens_per_day=10_000),
+        key_entry("team-b", KEY_B, requests_per_minute=5),
+        quota=redis_quota(prefix, redis_cluster),
+    )
+    replicas = [await make_app(settings), await make_app(settings)]
+    clock = 1_800_000_000.0 + 3600 * 7 + 12
+    for replica in replicas:
+        replica.state.quotas.clock = replica.state.meter.clock = lambda: clock
+
+    async def send(i: int, key: str) -> int:
+        client = replicas[i % 2].client
+        reply = await client.post("/v1/chat/completions", json=chat(), headers=bearer(key))
+        return reply.status_code
+
+    codes = await asyncio.gather(*(send(i, KEY_A) for i in range(5 + 4)))
+    assert sorted(codes) == [200] * 5 + [429] * 4
+    codes_b = await asyncio.gather(*(send(i, KEY_B) for i in range(6)))
+    assert sorted(codes_b) == [200] * 5 + [429]
+    await replicas[0].state.meter.join()
+    await replicas[1].state.meter.join()
+    rows = await replicas[0].state.meter.ledger.usage(None, "2027-01-15", "2027-01-15")
+    assert {r.key: r.counts["requests"] for r in rows} == {"team-a": 5, "team-b": 5}
+    ledger = replicas[0].state.quotas.ledger
+    w = windows_at(clock)
+    slots = {
+        await ledger.client.cluster_keyslot(ledger.key("team-a", *parts))
+        for parts in (("rpm", w.minute), ("tpd", w.day), ("spend", w.month), ("usage", w.day))
+    }
+    assert len(slots) == 1
+
+
+def test_limit_args_and_reset_texts() -> None:
+    from proxy.auth.keys import Limits
+
+    args = LimitArgs.of(Limits(requests_per_minute=3, spend_usd_per_day=1.5))
+    assert (args.requests, args.tokens_minute, args.spend_day_micro) == (3, 0, 1_500_000)
+    assert duration_text(0.25) == "250ms"
+    assert duration_text(1) == "1s"
+    assert duration_text(360) == "6m0s"
+    assert duration_text(7384) == "2h3m4s"
+    w = windows_at(1_800_000_030.0)
+    assert (w.day, w.month, w.minute_reset_s) == ("2027-01-15", "2027-01", 30.0)
+
+
+async def test_passthrough_routes_count_requests_too(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    upstream.get("/models").respond(json={"data": []})
+    app = await make_app(keyed_settings(key_entry("team-a", KEY_A, requests_per_minute=1)))
+    assert (await app.client.get("/v1/models", headers=bearer(KEY_A))).status_code == 200
+    denied = await app.client.get("/v1/models", headers=bearer(KEY_A))
+    assert denied.status_code == 429

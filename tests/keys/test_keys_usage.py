@@ -1,0 +1,302 @@
+"""Usage accounting: the upstream's reported usage per key, model and day, streams included."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from proxy.usage.tap import StreamTap, usage_of_body
+from tests.keys.conftest import KEY_A, KEY_B, bearer, chat, history_chat, key_entry, keyed_settings
+from tests.upstream_fakes import is_summarizer_call
+
+pytestmark = pytest.mark.usefixtures("upstream")
+
+ADMIN = {"authorization": "Bearer admin-token"}
+
+
+def sse_events(model: str, usage: dict[str, Any] | None, *, usage_null: bool) -> list[bytes]:
+    """An OpenAI-shaped stream; with include_usage, chunks carry "usage":null and one extra
+    usage-only chunk comes before [DONE]."""
+    extra = ',"usage":null' if usage_null else ""
+    events = [
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"%s","choices":[{"index":0,'
+        b'"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]%s}\n\n'
+        % (model.encode(), extra.encode()),
+        b'data: {"id":"c1","object":"chat.completion.chunk","model":"%s","choices":[{"index":0,'
+        b'"delta":{"content":"lo \\u00e9"},"finish_reason":"stop"}]%s}\n\n'
+        % (model.encode(), extra.encode()),
+    ]
+    if usage is not None:
+        events.append(
+            b'data: {"id":"c1","object":"chat.completion.chunk","model":"%s","choices":[],'
+            b'"usage":%s}\n\n' % (model.encode(), json.dumps(usage).encode())
+        )
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+class Upstream:
+    """Replies with fixed usage; streams split into awkward chunks; records what it got."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.streams: list[bytes] = []
+        self.n = 0
+        self.send_usage = True
+
+    def usage(self) -> dict[str, Any]:
+        self.n += 1
+        return {
+            "prompt_tokens": 100 * self.n,
+            "completion_tokens": 7 * self.n,
+            "total_tokens": 107 * self.n,
+            "prompt_tokens_details": {"cached_tokens": 10 * self.n},
+        }
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if is_summarizer_call(body):
+            return httpx.Response(
+                200,
+                json={
+                    "choices": [{"message": {"role": "assistant", "content": "SUMMARY: ok"}}],
+                    "usage": {"prompt_tokens": 500, "completion_tokens": 20},
+                },
+            )
+        self.bodies.append(body)
+        if not body.get("stream"):
+            reply: dict[str, Any] = {"id": "c", "object": "chat.completion", "choices": []}
+            if self.send_usage:
+                reply["usage"] = self.usage()
+            return httpx.Response(200, json=reply)
+        options = body.get("stream_options") or {}
+        usage = self.usage() if options.get("include_usage") and self.send_usage else None
+        raw = b"".join(sse_events(body["model"], usage, usage_null=usage is not None))
+        self.streams.append(raw)
+        return httpx.Response(
+            200, stream=Chunked(raw, 37), headers={"content-type": "text/event-stream"}
+        )
+
+
+class Chunked(httpx.AsyncByteStream):
+    def __init__(self, data: bytes, size: int) -> None:
+        self.data, self.size = data, size
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for i in range(0, len(self.data), self.size):
+            yield self.data[i : i + self.size]
+
+
+def without_usage_event(raw: bytes) -> bytes:
+    events = raw.split(b"\n\n")
+    kept = [e for e in events if b'"choices":[],"usage"' not in e]
+    return b"\n\n".join(kept)
+
+
+@pytest.fixture
+def fake(upstream: respx.MockRouter) -> Upstream:
+    fake = Upstream()
+    upstream.post("/chat/completions").mock(side_effect=fake)
+    return fake
+
+
+def admin_settings(**extra: Any) -> Any:
+    return keyed_settings(
+        key_entry("team-a", KEY_A),
+        key_entry("team-b", KEY_B),
+        admin={"token_env": "ADMIN_TOKEN"},
+        **extra,
+    )
+
+
+@pytest.fixture(autouse=True)
+def admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADMIN_TOKEN", "admin-token")
+
+
+async def test_client_stream_is_byte_identical_to_upstream_minus_the_usage_event(
+    make_app: Any, fake: Upstream
+) -> None:
+    app = await make_app(admin_settings())
+    raw_request = json.dumps(chat(stream=True)).encode()
+    async with app.client.stream(
+        "POST", "/v1/chat/completions", content=raw_request, headers=bearer(KEY_A)
+    ) as reply:
+        received = b"".join([chunk async for chunk in reply.aiter_raw()])
+    assert fake.bodies[-1]["stream_options"] == {"include_usage": True}
+    upstream_raw = fake.streams[-1]
+    assert b'"choices":[],"usage"' in upstream_raw
+    assert received == without_usage_event(upstream_raw)
+    assert received != upstream_raw
+    await app.state.meter.join()
+    rows = (await app.client.get("/admin/usage", headers=ADMIN)).json()["data"]
+    assert rows[0]["prompt_tokens_forwarded"] == 100
+    assert rows[0]["completion_tokens"] == 7
+    assert rows[0]["estimated_requests"] == 0
+
+
+async def test_a_client_that_asked_for_usage_gets_the_stream_exactly(
+    make_app: Any, fake: Upstream
+) -> None:
+    app = await make_app(admin_settings())
+    body = chat(stream=True, stream_options={"include_usage": True})
+    async with app.client.stream(
+        "POST", "/v1/chat/completions", json=body, headers=bearer(KEY_A)
+    ) as reply:
+        received = b"".join([chunk async for chunk in reply.aiter_raw()])
+    assert received == fake.streams[-1]
+    assert b'"choices":[],"usage"' in received
+
+
+async def test_usage_after_a_mix_equals_what_the_upstream_reported(
+    make_app: Any, fake: Upstream
+) -> None:
+    app = await make_app(admin_settings())
+    long = history_chat(words=100)
+    sent = [
+        (KEY_A, chat(), {}),
+        (KEY_A, chat(stream=True), {}),
+        (KEY_A, {**long, "stream": True}, {"x-compaction": "force"}),
+        (KEY_A, long, {"x-compaction": "force"}),
+        (KEY_B, chat("gpt-4o"), {}),
+        (KEY_A, chat(stream=True, stream_options={"include_usage": True}), {}),
+    ]
+    statuses, counted_a = [], 0
+    for key, body, headers in sent:
+        reply = await app.client.post(
+            "/v1/chat/completions", json=body, headers={**bearer(key), **headers}
+        )
+        await reply.aread()
+        assert reply.status_code == 200
+        statuses.append(reply.headers["x-compaction-status"])
+        if key == KEY_A:
+            counted_a += int(reply.headers["x-compaction-tokens-before"])
+    assert statuses.count("compacted") + statuses.count("reused") == 2
+    await app.state.meter.join()
+    data = (await app.client.get("/admin/usage", headers=ADMIN)).json()
+    by = {(r["key"], r["model"]): r for r in data["data"]}
+    a, b = by[("team-a", "gpt-4o-mini")], by[("team-b", "gpt-4o")]
+    # Upstream usage n: prompt 100n, completion 7n, cached 10n; n = 1..6 in order sent.
+    a_calls = [1, 2, 3, 4, 6]  # and n = 5 for team-b
+    assert a["requests"] == 5 and b["requests"] == 1
+    assert a["prompt_tokens_forwarded"] == sum(100 * n for n in a_calls)
+    assert a["completion_tokens"] == sum(7 * n for n in a_calls)
+    assert a["cached_prompt_tokens"] == sum(10 * n for n in a_calls)
+    assert b["prompt_tokens_forwarded"] == 500
+    assert a["estimated_requests"] == 0
+    assert a["summarizer_prompt_tokens"] == 500  # one summary, then reused
+    assert a["tokens_saved"] > 0
+    assert a["prompt_tokens_sent"] == counted_a  # our count of what clients sent
+    assert a["cost_usd"] > 0 and b["cost_usd"] > 0
+    assert data["total_cost_usd"] == pytest.approx(a["cost_usd"] + b["cost_usd"])
+    only_b = await app.client.get("/admin/usage", params={"key": "team-b"}, headers=ADMIN)
+    assert [r["key"] for r in only_b.json()["data"]] == ["team-b"]
+    by_model = await app.client.get("/admin/usage", params={"model": "gpt-4o"}, headers=ADMIN)
+    assert [r["model"] for r in by_model.json()["data"]] == ["gpt-4o"]
+    past = await app.client.get(
+        "/admin/usage", params={"since": "2020-01-01", "until": "2020-01-31"}, headers=ADMIN
+    )
+    assert past.json()["data"] == []
+
+
+async def test_no_usage_from_upstream_falls_back_to_our_counts_marked_estimated(
+    make_app: Any, fake: Upstream
+) -> None:
+    fake.send_usage = False
+    app = await make_app(admin_settings())
+    reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert "x-compaction-cost-usd" in reply.headers
+    streamed = await app.client.post(
+        "/v1/chat/completions", json=chat(stream=True), headers=bearer(KEY_A)
+    )
+    assert streamed.content == fake.streams[-1]  # nothing to remove
+    await app.state.meter.join()
+    row = (await app.client.get("/admin/usage", headers=ADMIN)).json()["data"][0]
+    assert row["requests"] == 2
+    assert row["estimated_requests"] == 2
+    assert row["prompt_tokens_forwarded"] == 2 * int(reply.headers["x-compaction-tokens-after"])
+    assert row["completion_tokens"] == 2  # two content events in the stream
+
+
+async def test_cost_header_prices_prompt_cached_and_completion(
+    make_app: Any, fake: Upstream
+) -> None:
+    price = {"input": 1.0, "output": 2.0, "cached_input": 0.5}
+    app = await make_app(admin_settings(pricing={"gpt-4o-mini*": price}))
+    reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    # prompt 100 (10 cached) at $1/M, cached at $0.5/M, completion 7 at $2/M
+    assert reply.headers["x-compaction-cost-usd"] == f"{(90 + 5 + 14) / 1e6:.6f}"
+    unpriced = await app.client.post(
+        "/v1/chat/completions", json=chat("my-local-llama"), headers=bearer(KEY_A)
+    )
+    assert "x-compaction-cost-usd" not in unpriced.headers
+
+
+async def test_admin_usage_needs_the_admin_token(make_app: Any) -> None:
+    app = await make_app(admin_settings())
+    assert (await app.client.get("/admin/usage")).status_code == 401
+    wrong = await app.client.get("/admin/usage", headers=bearer(KEY_A))
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["code"] == "invalid_api_key"
+    bad = await app.client.get("/admin/usage", params={"since": "yesterday"}, headers=ADMIN)
+    assert bad.status_code == 400
+
+
+async def test_usage_is_shared_by_replicas_through_redis(
+    make_app: Any, fake: Upstream, redis_prefix: str
+) -> None:
+    quota = {"backend": "redis", "key_prefix": redis_prefix}
+    one, two = (
+        await make_app(admin_settings(quota=quota)),
+        await make_app(admin_settings(quota=quota)),
+    )
+    for app in (one, two):
+        reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+        assert reply.status_code == 200
+        await app.state.meter.join()
+    row = (await one.client.get("/admin/usage", headers=ADMIN)).json()["data"][0]
+    assert row["requests"] == 2
+    assert row["prompt_tokens_forwarded"] == 300
+
+
+# The tap on its own: every way of splitting a stream into chunks gives the same result.
+STREAM = b"".join(
+    sse_events("m", {"prompt_tokens": 5, "completion_tokens": 2}, usage_null=True)
+).replace(b"\n\n", b"\r\n\r\n", 1)
+
+
+async def relay_in(tap: StreamTap, data: bytes, cuts: list[int]) -> list[bytes]:
+    async def chunks() -> AsyncIterator[bytes]:
+        last = 0
+        for cut in [*cuts, len(data)]:
+            yield data[last:cut]
+            last = cut
+
+    return [chunk async for chunk in tap.relay(chunks())]
+
+
+@pytest.mark.parametrize("cut", range(1, len(STREAM), 7))
+async def test_tap_removes_exactly_the_usage_event_wherever_chunks_split(cut: int) -> None:
+    hidden = StreamTap(hide_usage_event=True)
+    out = await relay_in(hidden, STREAM, [cut, min(len(STREAM), cut + 50)])
+    assert b"".join(out) == without_usage_event(STREAM)
+    assert hidden.usage is not None and hidden.usage.prompt_tokens == 5
+    shown = StreamTap(hide_usage_event=False)
+    out = await relay_in(shown, STREAM, [cut])
+    assert b"".join(out) == STREAM
+    assert out[0] == STREAM[:cut]  # read-only: chunks pass as they come
+    assert shown.usage is not None and shown.usage.completion_tokens == 2
+
+
+def test_usage_of_a_gzipped_body_is_read_from_a_decoded_copy() -> None:
+    body = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
+    usage = usage_of_body(gzip.compress(body), "gzip")
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (3, 4)
+    assert usage_of_body(b"not json") is None
+    assert usage_of_body(body, "br") is None
