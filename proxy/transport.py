@@ -234,7 +234,8 @@ class ServedTransport(httpx.AsyncBaseTransport):
     `httpx.AsyncHTTPTransport`, the layer respx (default mode), pytest-httpx and hand-written
     mocks patch, so they see every upstream request with no setup. A server (`compaction-proxy
     serve`, `uvicorn --factory`, each `--workers` process) runs the app's lifespan, whose
-    startup calls `serve()`: from then on requests take the fast aiohttp path.
+    startup calls `serve()`: from then on requests take the fast aiohttp path. (A server
+    started with the lifespan off, `uvicorn --lifespan off`, keeps httpx's: slower, correct.)
     """
 
     def __init__(self, limits: httpx.Limits) -> None:

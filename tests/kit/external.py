@@ -20,10 +20,12 @@ def readme_example() -> str:
     return match.group(1)
 
 
-def run_pytest(python: str, folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_pytest(
+    python: str, folder: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """pytest in `folder` (its own rootdir: no pyproject, asyncio strict mode) with a clean
-    environment: no inherited addopts, plugins or proxy settings."""
-    env = {
+    environment: no inherited addopts, plugins or proxy settings; then `env`."""
+    clean = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("PYTEST_", "COMPACTION_PROXY_")) and k != "PYTHONPATH"
@@ -31,7 +33,7 @@ def run_pytest(python: str, folder: Path, *args: str) -> subprocess.CompletedPro
     return subprocess.run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=folder,
-        env=env,
+        env={**clean, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,

@@ -23,9 +23,26 @@ def test_the_readme_example_passes_with_the_plugin_opted_in(project: Path) -> No
     assert "1 passed" in done.stdout
 
 
-def test_pytest_plugins_in_conftest_opts_in_too(project: Path) -> None:
-    (project / "conftest.py").write_text('pytest_plugins = ["proxy.testing.plugin"]\n')
-    done = run_pytest(sys.executable, project)
+# Only the fixtures' presence: quicker than the example, which builds the tokenizer.
+FIXTURES_ONLY = """
+def test_the_fixtures_are_there(fake_openai, compaction_proxy_settings):
+    assert fake_openai.base_url == compaction_proxy_settings.upstream.base_url
+"""
+
+
+def test_pytest_plugins_in_conftest_opts_in_too(tmp_path: Path) -> None:
+    (tmp_path / "test_fixtures.py").write_text(FIXTURES_ONLY)
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["proxy.testing.plugin"]\n')
+    done = run_pytest(sys.executable, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
+def test_addopts_opts_in_even_with_plugin_autoload_disabled(tmp_path: Path) -> None:
+    # Autoload off: pytest loads only what -p names, the entry point found by its name.
+    (tmp_path / "test_fixtures.py").write_text(FIXTURES_ONLY)
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p compaction_proxy\n")
+    done = run_pytest(sys.executable, tmp_path, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
 
