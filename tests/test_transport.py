@@ -400,3 +400,18 @@ async def test_an_injected_transport_carries_every_upstream_request() -> None:
         reply = await proxy.get("/v1/models")
     assert reply.json() == {"object": "list", "data": []}
     assert seen == ["/v1/models"]
+
+
+async def test_respx_using_httpx_intercepts_a_served_app_too() -> None:
+    # The lifespan running in-process (TestClient as a context manager, asgi-lifespan) puts
+    # the app on aiohttp; respx's httpx mode patches the client itself, so it still sees all.
+    settings = Settings.model_validate({"upstream": {"base_url": "http://upstream.test/v1"}})
+    app = create_app(settings)
+    with respx.mock(using="httpx", base_url="http://upstream.test/v1") as router:
+        route = router.get("/models").respond(json={"object": "list", "data": []})
+        router.route(host="p").pass_through()  # it patches every client: the test's own too
+        proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
+        async with app.router.lifespan_context(app), proxy:
+            reply = await proxy.get("/v1/models")
+    assert reply.json() == {"object": "list", "data": []}
+    assert route.called
