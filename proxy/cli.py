@@ -94,6 +94,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from proxy.app import create_app
     from proxy.auth import check_exposure
+    from proxy.connections import server_options
     from proxy.logs import log_config
     from proxy.tokens import TokenizerUnavailable
 
@@ -112,6 +113,7 @@ def serve_command(args: argparse.Namespace) -> int:
         "proxy_headers": False,
         "timeout_graceful_shutdown": server.drain_timeout_s,
         **uvicorn_speedups(),
+        **server_options(server),  # slow-client timeouts and the connection limit
     }
     try:
         # With workers too: the tokenizer and the exposure check fail here, once.

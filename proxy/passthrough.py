@@ -14,7 +14,7 @@ from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
 from proxy.quota.quotas import reply_quota_headers
 from proxy.upstream import RequestContent
-from proxy.validation import read_body
+from proxy.validation import Upload, read_body
 
 
 async def passthrough(request: Request) -> Response:
@@ -25,6 +25,7 @@ async def passthrough(request: Request) -> Response:
     chunked = "chunked" in request.headers.get("transfer-encoding", "").lower()
     limit = exchange.state.settings.server.max_body_bytes
     content: RequestContent | None = None
+    upload: Upload | None = None
     watch = True
     try:
         caller = exchange.admit()
@@ -34,7 +35,8 @@ async def passthrough(request: Request) -> Response:
             if caller.key is not None:
                 check_model(caller.key, model_in(content))
         elif length is not None or chunked:
-            content = request.stream()
+            upload = Upload(request)
+            content = upload.chunks()
             watch = False  # `receive` belongs to the upload until it ends
             if length is not None:
                 headers.append(("content-length", length))
@@ -46,7 +48,12 @@ async def passthrough(request: Request) -> Response:
                 request.method, request.path_params["path"], headers=headers, content=content
             )
 
-        response = await (exchange.guard(send) if watch else send())
+        try:
+            response = await (exchange.guard(send) if watch else send())
+        except ProxyError:
+            if upload is not None:
+                upload.raise_if_gone()
+            raise
     except ProxyError as exc:
         return exchange.error(exc)
     except ClientDisconnected:

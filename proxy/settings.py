@@ -47,6 +47,12 @@ class ServerSettings(Section):
     # Messages per chat request (400 over it). A 1M-token window filled with 20-token messages
     # is 50k; long agent sessions send a few thousand. 50k costs ~0.4 s of CPU to parse and count.
     max_messages: int = Field(50_000, gt=0)
+    # Slow clients (see proxy/connections.py): whole headers within header_timeout_s, no gap
+    # over body_timeout_s in a body (408), at most max_connections open (503 on accept).
+    # Agents send headers in one packet; 30 s covers a stalled mobile link, not a stalled peer.
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int = Field(2048, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "json": one JSON object per line (ours and uvicorn's alike), for log shippers.
     log_format: Literal["text", "json"] = "text"

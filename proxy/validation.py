@@ -9,14 +9,16 @@ thread by `proxy.jsonparse`, which lets the event loop run between messages.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
 import anyio.to_thread
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from proxy import jsonparse
-from proxy.errors import ProxyError, bad_request
+from proxy.connections import read_timed_out
+from proxy.errors import ClientDisconnected, ProxyError, bad_request
 
 # Below this, json.loads on the loop takes under ~2 ms; above, parsing leaves the loop.
 OFFLOAD_BYTES = 256 * 1024
@@ -25,18 +27,48 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing with 413 as soon as it is known to exceed `limit` bytes."""
+    """The whole body, refusing with 413 as soon as it is known to exceed `limit` bytes.
+
+    A client that leaves mid-upload raises ClientDisconnected (a 499 in the log, no traceback).
+    """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # left mid-upload, or timed out by proxy.connections
+        raise read_timed_out(request.scope) or ClientDisconnected() from None
     return b"".join(chunks)
+
+
+class Upload:
+    """A body streamed on to the upstream as it arrives, remembering if the client left.
+
+    The upstream transport reports a failing body as its own error (a 502); `raise_if_gone`
+    turns that back into what happened: the client left (499) or timed out (408).
+    """
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._gone: ProxyError | ClientDisconnected | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._request.stream():
+                yield chunk
+        except ClientDisconnect:
+            self._gone = read_timed_out(self._request.scope) or ClientDisconnected()
+            raise
+
+    def raise_if_gone(self) -> None:
+        if self._gone is not None:
+            raise self._gone
 
 
 def _too_large(limit: int) -> ProxyError:

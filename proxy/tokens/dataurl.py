@@ -52,7 +52,7 @@ class DataURL:
         chunk += "=" * (-len(chunk) % 4)
         try:
             raw = binascii.a2b_base64(chunk, strict_mode=True)
-        except binascii.Error:
+        except ValueError:  # binascii.Error, or non-ASCII characters in the payload
             if self._repaired:
                 return b""
             self._repair()
@@ -63,7 +63,7 @@ class DataURL:
     def read_all(self) -> bytes:
         try:
             return binascii.a2b_base64(self._payload)
-        except binascii.Error:
+        except ValueError:
             return b""
 
     def _repair(self) -> None:

@@ -1,7 +1,8 @@
 """Estimates for audio and file parts, whose billing OpenAI does not document exactly.
 
 Audio: about 10 tokens per second of input audio (OpenAI's realtime docs: one token per 100 ms
-of user audio). The duration comes from a WAV header, else from the size at 128 kbit/s (mp3).
+of user audio). The duration comes from a WAV header, else (no header, a junk one, data that
+is not base64) from the size at 128 kbit/s (mp3).
 Files (PDF): OpenAI feeds the model each page's extracted text plus an image of the page. We
 count pages (`/Type /Page` objects, else one per 50 kB) and charge each page one image of
 unknown size (`remote_image_tokens`) plus 500 tokens of text, a dense page. A `file_id` alone
@@ -23,6 +24,9 @@ BYTES_PER_PAGE = 50_000
 BYTES_PER_TOKEN = 4
 _PDF_PAGE = re.compile(rb"/Type\s*/Page(?![a-zA-Z])")
 _WAV_MAX_CHUNKS = 64
+# Below telephone quality (8 kHz, 8 bit, mono: 8,000 B/s) a WAV header is junk, and would
+# turn a few bytes into hours of audio: the size estimate applies instead.
+_WAV_MIN_BYTE_RATE = 4_000
 
 
 def audio_tokens(data: object, fmt: object) -> int:
@@ -49,7 +53,7 @@ def _wav_seconds(url: DataURL) -> float | None:
         if kind == b"fmt " and len(chunk) >= 20:
             (byte_rate,) = struct.unpack("<I", chunk[16:20])
         elif kind == b"data":
-            if byte_rate <= 0:
+            if byte_rate < _WAV_MIN_BYTE_RATE:
                 return None
             size = min(size, max(0, url.size - offset - 8))  # streamed WAVs say 0xFFFFFFFF
             return float(size) / byte_rate

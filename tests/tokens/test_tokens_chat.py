@@ -137,6 +137,39 @@ def test_audio_estimate(counter: TokenCounter) -> None:
     assert counter.count_message("gpt-4o", message(mp3, "mp3")) == role + 20
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        "é" * 64_000,  # not base64 at all (non-ASCII)
+        "!" * 64_000,  # not the base64 alphabet
+        # a WAV header without a format chunk: sized, not trusted
+        base64.b64encode(b"RIFF\xff\xff\xff\xffWAVE").decode() + "A" * 63_976,
+    ],
+)
+def test_odd_audio_data_is_estimated_by_size_without_a_traceback(
+    counter: TokenCounter, caplog: pytest.LogCaptureFixture, data: str
+) -> None:
+    message = {
+        "role": "user",
+        "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}],
+    }
+    count = counter.count_message("gpt-4o", message)
+    assert counter.fallbacks == 0
+    assert [r for r in caplog.records if r.exc_info] == []
+    # 64,000 characters ~ 48,000 bytes = 3 s at 128 kbit/s = 30 tokens
+    assert count == 3 + n("user") + 30
+
+
+def test_junk_wav_byte_rate_does_not_make_hours_of_audio(counter: TokenCounter) -> None:
+    fmt = struct.pack("<HHIIHH", 1, 1, 1, 1, 1, 8)  # 1 byte per second
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", 48_000) + b"\x00" * 48_000
+    data = base64.b64encode(b"RIFF" + struct.pack("<I", len(body)) + body).decode()
+    part = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    count = counter.count_message("gpt-4o", {"role": "user", "content": [part]})
+    assert count < 3 + n("user") + 40  # the size estimate (~3 s), not 48,000 s
+
+
 def test_file_estimate(counter: TokenCounter) -> None:
     pdf = b"%PDF-1.4\n1 0 obj << /Type /Pages /Count 2 >>\n2 0 obj << /Type /Page >>\n"
     pdf += b"3 0 obj <</Type/Page>>\n%%EOF"
