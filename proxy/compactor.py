@@ -1,7 +1,8 @@
 """The compaction step of the request path: decide, compact, and say what happened.
 
-It owns the policy (budget, per-request control headers, no-progress guard, failure policy);
-the algorithm lives behind `SimpleCompaction` in proxy/compaction/.
+It owns the policy (budget, per-request control headers, no-progress guard, failure policy)
+and returns it as a `Decision`; the algorithm lives behind the `Compaction` protocol in
+proxy/compaction/ (the strategy `compaction.strategy` names), the store logic in the planner.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from proxy.compaction.prompt import PROMPT_VERSION
-from proxy.compaction.protocol import Message, SummarizerError
-from proxy.compaction.simple import Prepared, SimpleCompaction
+from proxy.compaction.cut import CutRules
+from proxy.compaction.protocol import Compaction, Cut, Message, SummarizerError
+from proxy.compaction.strategies import StrategyOptions, load_strategy
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
-from proxy.planner import SummaryPlanner
-from proxy.report import Outcome
-from proxy.settings import Settings
+from proxy.planner import Budget, SummaryPlanner
+from proxy.report import Cache, Decision, Outcome
+from proxy.settings import ConfigError, Settings
 from proxy.store import SummaryFlight, SummaryStore, namespace_for
 
 log = logging.getLogger("proxy.compaction")
@@ -34,6 +35,8 @@ class PromptCounter(Protocol):
     def estimated(self) -> bool: ...
 
     def count_text(self, model: str, text: str) -> int: ...
+
+    def count_message(self, model: str, message: Any) -> int: ...
 
     def count_messages(self, model: str, messages: list[Any]) -> int: ...
 
@@ -52,13 +55,28 @@ class Control:
     budget: int | None = None
 
 
-def _last_user(messages: list[Message]) -> Message | None:
-    return next((m for m in reversed(messages) if m.get("role") == "user"), None)
-
-
 def model_of(body: dict[str, Any]) -> str:
     model = body.get("model")
     return model if isinstance(model, str) else ""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One over-budget (or forced) request, as the policy sees it."""
+
+    body: dict[str, Any]
+    model: str
+    summarizer_model: str
+    tokens: int
+    budget: int
+    force: bool
+    client_headers: dict[str, str]
+    scope: str  # the summary store tenant
+
+    @property
+    def messages(self) -> list[Message]:
+        messages: list[Message] = self.body["messages"]
+        return messages
 
 
 class Compactor:
@@ -70,6 +88,7 @@ class Compactor:
         store: SummaryStore,
         metrics: Metrics,
     ) -> None:
+        """Raises ConfigError when `compaction.strategy` cannot be loaded."""
         self.settings = settings
         self.counter = counter
         self.client = client
@@ -82,6 +101,10 @@ class Compactor:
             summarizer.breaker_cooldown_s,
             on_change=metrics.breaker_changed,
         )
+        try:
+            self.strategy_factory = load_strategy(settings.compaction.strategy)
+        except ValueError as exc:
+            raise ConfigError(f"invalid config: compaction.strategy: {exc}") from None
 
     async def run(
         self,
@@ -92,7 +115,9 @@ class Compactor:
         scope: str,
     ) -> Outcome:
         """`client_headers`: what the summarizer call carries, as
-        `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant."""
+        `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant.
+
+        Raises ProxyError (502) when compaction failed and `on_error = "reject"`."""
         started = time.perf_counter()
         config = self.settings.compaction
         model = model_of(body)
@@ -102,149 +127,133 @@ class Compactor:
             return outcome
         tokens = await self.counter.acount_request(body)
         budget = control.budget or config.budget_for(model)
-        outcome = Outcome(tokens_before=tokens, budget=budget, estimated=self.counter.estimated)
-        if tokens > budget or control.mode == "force":
-            await self.decide(body, control, budget, outcome, client_headers, scope)
-            self.log(outcome, model, time.perf_counter() - started)
-        self.metrics.observe(outcome, time.perf_counter() - started)
+        force = control.mode == "force"
+        if tokens > budget or force:
+            job = Job(
+                body,
+                model,
+                config.summarizer.model or model,
+                tokens,
+                budget,
+                force,
+                client_headers,
+                scope,
+            )
+            decision = await self.decide(job)
+        else:
+            decision = Decision("passthrough")
+        outcome = Outcome.of(
+            decision, tokens_before=tokens, budget=budget, estimated=self.counter.estimated
+        )
+        seconds = time.perf_counter() - started
+        if decision.status != "passthrough":
+            self.log(outcome, model, seconds)
+        self.metrics.observe(outcome, seconds)
+        if decision.status == "failed" and config.on_error == "reject":
+            raise ProxyError(
+                502,
+                f"Compaction failed ({decision.reason}): {decision.error}",
+                type="upstream_error",
+                code="compaction_failed",
+                headers=outcome.headers(),
+            )
         return outcome
 
-    async def decide(
-        self,
-        body: dict[str, Any],
-        control: Control,
-        budget: int,
-        outcome: Outcome,
-        client_headers: dict[str, str],
-        scope: str,
-    ) -> None:
+    async def decide(self, job: Job) -> Decision:
         """Over budget (or forced): skip when compaction can't help, else plan and compact."""
         config = self.settings.compaction
-        model = model_of(body)
+        compaction = self.compaction_for(job.summarizer_model)
 
-        messages: list[Message] = body["messages"]
-        summarizer_model = config.summarizer.model or model
-        force = control.mode == "force"
-        compaction = self.compaction_for(summarizer_model)
-        prepared = compaction.prepare(messages, custom_instruction=config.custom_instruction)
-        carry: Message | None = None
-        if (
-            config.keep_last_user_message
-            and not force
-            and (not prepared.to_compact or self.kept_tokens(body, prepared, None) > budget)
-        ):
-            # Agent loop: everything since the latest user message is over budget. Cut where
-            # SimpleCompaction would without that rule, and carry the user message verbatim
-            # right after the summary, so the latest ask still reaches the model word for word.
-            loop_compaction = self.compaction_for(summarizer_model, keep_last_user_message=False)
-            loop = loop_compaction.prepare(messages, custom_instruction=config.custom_instruction)
-            last_user = _last_user(messages)
-            if any(m is last_user for m in loop.to_compact):
-                compaction, prepared, carry = loop_compaction, loop, last_user
-        if not prepared.to_compact:
-            outcome.status, outcome.reason = "skipped", "nothing_to_compact"
-        elif not force and self.kept_tokens(body, prepared, carry) > budget:
-            # Pinned + tools + tail alone are over budget: a summary cannot help.
-            outcome.status, outcome.reason = "skipped", "preserved_over_budget"
-        else:
-            await self.compact(
-                body,
-                prepared,
-                compaction,
-                outcome,
-                summarizer_model,
-                client_headers,
-                scope=scope,
-                budget=budget,
-                force=force,
-                carry=carry,
-            )
-
-    async def compact(
-        self,
-        body: dict[str, Any],
-        prepared: Prepared,
-        compaction: SimpleCompaction,
-        outcome: Outcome,
-        summarizer_model: str,
-        client_headers: dict[str, str],
-        scope: str,
-        budget: int,
-        force: bool,
-        carry: Message | None,
-    ) -> None:
-        config = self.settings.compaction
-        model = model_of(body)
+        def count_message(message: Message) -> int:
+            return self.counter.count_message(job.model, message)
 
         async def count(messages: list[Message]) -> int:
-            return await self.counter.acount_request({**body, "messages": messages})
+            return await self.counter.acount_request({**job.body, "messages": messages})
 
+        cut = compaction.cut(job.messages, keep_tokens=self.keep_tokens(job), count=count_message)
+        if not cut.to_compact:
+            return Decision("skipped", "nothing_to_compact")
+        floor = await count(cut.forward(compaction.summary_message(""), cut.latest))
+        if not job.force and floor > job.budget and job.tokens - floor <= config.summary_max_tokens:
+            # Pinned + tools + protected + the minimum tail alone are over budget, and what a
+            # summary could replace is no larger than a summary may be: it cannot help.
+            return Decision("skipped", "preserved_over_budget")
         try:
             plan = await self.planner.plan(
-                prepared,
+                cut,
                 compaction,
-                self.summarizer_for(summarizer_model, client_headers),
-                scope=scope,
-                namespace=self.namespace(summarizer_model),
-                budget=budget,
-                force=force,
-                count=count,
-                count_text=lambda text: self.counter.count_text(model, text),
-                custom_instruction=config.custom_instruction,
-                carry=carry,
+                self.summarizer_for(job.summarizer_model, job.client_headers),
+                scope=job.scope,
+                namespace=self.namespace(job.summarizer_model, compaction),
+                budget=Budget(
+                    job.budget,
+                    count,
+                    count_message,
+                    lambda text: self.counter.count_text(job.model, text),
+                ),
+                force=job.force,
             )
         except SummarizerError as error:
-            outcome.status, outcome.reason = "failed", error.reason
-            outcome.cache = None if self.store.available else "none"
-            if config.on_error == "reject":
-                raise ProxyError(
-                    502,
-                    f"Compaction failed ({error.reason}): {error}",
-                    type="upstream_error",
-                    code="compaction_failed",
-                    headers=outcome.headers(),
-                ) from None
-            return
-        outcome.cache = plan.cache
-        outcome.usage = plan.usage
-        if not force and outcome.tokens_before is not None and plan.tokens >= outcome.tokens_before:
+            cache: Cache | None = None if self.store.available else "none"
+            return Decision("failed", error.reason, cache=cache, error=str(error))
+        if not job.force and plan.tokens >= job.tokens:
             # The summary is longer than what it replaces: forward the original instead.
-            outcome.status, outcome.reason = "skipped", "no_gain"
-            return
-        outcome.status = plan.status
-        outcome.messages = plan.messages
-        outcome.summarized = plan.summarized
-        outcome.tokens_after = plan.tokens
-
-    def namespace(self, summarizer_model: str) -> str:
-        """Everything that shapes a summary's text: a change starts a new set of keys."""
-        config = self.settings.compaction
-        return namespace_for(
-            model=summarizer_model,
-            base_url=config.summarizer.base_url or self.settings.upstream.base_url,
-            prompt=PROMPT_VERSION,
-            summary_max_tokens=config.summary_max_tokens,
-            summary_role=config.summary_role,
-            max_preserved_messages=config.max_preserved_messages,
-            max_message_tokens=config.summarizer.max_message_tokens,
-            context_tokens=config.summarizer.context_tokens,
-            custom_instruction=config.custom_instruction,
+            return Decision("skipped", "no_gain", cache=plan.cache, usage=plan.usage)
+        return Decision(
+            plan.status,
+            "over_budget" if plan.status == "over_budget" else None,
+            messages=plan.messages,
+            tokens_after=plan.tokens,
+            summarized=plan.summarized,
+            usage=plan.usage,
+            cache=plan.cache,
+            task=_task_state(cut, plan.summarized),
         )
 
-    def compaction_for(
-        self, summarizer_model: str, *, keep_last_user_message: bool | None = None
-    ) -> SimpleCompaction:
+    def keep_tokens(self, job: Job) -> int | None:
+        """How many tokens of recent messages to keep verbatim: `keep_recent_ratio` of the
+        budget, less what the pinned messages, the task, the tools and a summary need (a
+        summary is taken as `summary_max_tokens`, at most a quarter of the budget), so the
+        first summary made usually fits as it is. None: the reference's tail."""
         config = self.settings.compaction
-        if keep_last_user_message is None:
-            keep_last_user_message = config.keep_last_user_message
-        return SimpleCompaction(
+        if config.keep_recent_ratio <= 0:
+            return None
+        summary = min(config.summary_max_tokens, job.budget // 4)
+        fixed = self.counter.count_tools(job.model, job.body) + summary
+        for message in job.messages:
+            fixed += self.counter.count_message(job.model, message)
+            if isinstance(message, dict) and message.get("role") == "user":
+                break  # the task, the first user message, is the last one kept up front
+        room = job.budget - fixed
+        return max(0, min(round(config.keep_recent_ratio * job.budget), room))
+
+    def namespace(self, summarizer_model: str, compaction: Compaction) -> str:
+        """Everything that shapes a summary's text: a change starts a new set of keys."""
+        return namespace_for(
+            model=summarizer_model,
+            base_url=self.settings.compaction.summarizer.base_url
+            or self.settings.upstream.base_url,
+            strategy=compaction.fingerprint,
+        )
+
+    def compaction_for(self, summarizer_model: str) -> Compaction:
+        config = self.settings.compaction
+        rules = CutRules(
             config.max_preserved_messages,
-            keep_last_user_message=keep_last_user_message,
-            summary_role=config.summary_role,
-            max_message_tokens=config.summarizer.max_message_tokens,
-            summarizer_context_tokens=config.summarizer.context_tokens,
-            summary_max_tokens=config.summary_max_tokens,
-            count_tokens=lambda text: self.counter.count_text(summarizer_model, text),
+            "carry" if config.keep_last_user_message else "off",
+            config.task_max_tokens if config.protect_task else None,
+            tuple(config.injected_user_patterns),
+        )
+        return self.strategy_factory(
+            StrategyOptions(
+                rules=rules,
+                summary_role=config.summary_role,
+                max_message_tokens=config.summarizer.max_message_tokens,
+                context_tokens=config.summarizer.context_tokens,
+                summary_max_tokens=config.summary_max_tokens,
+                custom_instruction=config.custom_instruction,
+                count_tokens=lambda text: self.counter.count_text(summarizer_model, text),
+            )
         )
 
     def summarizer_for(self, model: str, client_headers: dict[str, str]) -> UpstreamSummarizer:
@@ -266,12 +275,6 @@ class Compactor:
             on_result=self.metrics.summarizer_call,
         )
 
-    def kept_tokens(self, body: dict[str, Any], prepared: Prepared, carry: Message | None) -> int:
-        """What the forwarded request would cost even with an empty summary."""
-        model = model_of(body)
-        kept = [*prepared.pinned, *([carry] if carry is not None else []), *prepared.to_preserve]
-        return self.counter.count_messages(model, kept) + self.counter.count_tools(model, body)
-
     def log(self, outcome: Outcome, model: str, seconds: float) -> None:
         """One structured line per compaction decision; never any content."""
         log.info(
@@ -291,3 +294,12 @@ class Compactor:
                 "duration_ms": round(seconds * 1000, 1),
             },
         )
+
+
+def _task_state(cut: Cut, summarized: int) -> Literal["verbatim", "summarized"] | None:
+    """Whether the summary covered the first user message, and how it reached the model."""
+    if cut.task is not None and cut.task < summarized:
+        return "verbatim"
+    if cut.task_summarized:
+        return "summarized"
+    return None

@@ -1,15 +1,19 @@
-"""Plan an over-budget request with the summary store: reuse, extend, or summarize afresh.
+"""Plan an over-budget request with the summary store: reuse, extend, or summarize afresh,
+and keep the result within the budget.
 
 A transparent proxy's client resends its whole history every turn. Summaries are stored by a
 chain hash of the prefix they cover, so a later request with the same prefix reuses one
 (no summarizer call, identical forwarded bytes) until it no longer fits the budget; then the
 stored summary is extended with only the new span. Cheapest first:
 
-1. reuse:  the longest stored prefix k <= cut whose result (pinned + summary_k + rest[k:])
-           fits the budget;
-2. extend: a stored prefix k < cut exists but doesn't fit: summarize [summary_k] + rest[k:cut];
+1. reuse:  the longest stored prefix k <= the furthest cut whose result fits the budget;
+2. extend: a stored prefix k < the cut exists: summarize [summary_k] + rest[k:cut];
 3. fresh:  nothing stored: summarize rest[:cut] (folding in chunks, each chunk's summary
            stored at its boundary so a later request can extend from it).
+
+Then the budget is a guarantee: while the result is over, the cut moves forward to a later
+clean boundary (`Cut.stops`) and the summary is extended over the messages it passed. When
+no boundary is left the result is `over_budget`: the smallest valid request, said so.
 """
 
 from __future__ import annotations
@@ -17,27 +21,46 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Literal
 
-from proxy.compaction.protocol import Message, Summarizer, Summary, Usage
-from proxy.compaction.simple import Prepared, SimpleCompaction
+from proxy.compaction.protocol import (
+    Compaction,
+    CountMessage,
+    Cut,
+    Message,
+    Summarizer,
+    Summary,
+    Usage,
+)
+from proxy.report import Cache
 from proxy.store import StoredSummary, SummaryFlight, SummaryStore, chain_hashes
 
 CountMessages = Callable[[list[Message]], Awaitable[int]]
+PlanStatus = Literal["compacted", "extended", "reused", "over_budget"]
+# Moving the cut forward at most this many times before going straight to the last stop.
+_MAX_STEPS = 2
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What to forward and how it was obtained.
+    """What to forward and how it was obtained."""
 
-    status: compacted (fresh) | extended | reused;  cache: hit | partial | miss | none.
-    """
-
-    status: str
-    cache: str
+    status: PlanStatus
+    cache: Cache
     messages: list[Message]
-    summarized: int
+    summarized: int  # messages of the history the summary stands for
     usage: Usage
     tokens: int  # prompt tokens of the request as forwarded
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The limit and how to count against it."""
+
+    tokens: int
+    count: CountMessages  # the forwarded request, tools included
+    count_message: CountMessage
+    count_text: Callable[[str], int]
 
 
 class SummaryPlanner:
@@ -47,80 +70,122 @@ class SummaryPlanner:
 
     async def plan(
         self,
-        prepared: Prepared,
-        compaction: SimpleCompaction,
+        cut: Cut,
+        compaction: Compaction,
         summarizer: Summarizer,
         *,
         scope: str,
         namespace: str,
-        budget: int,
+        budget: Budget,
         force: bool,
-        count: CountMessages,
-        count_text: Callable[[str], int],
-        custom_instruction: str = "",
-        carry: Message | None = None,
     ) -> Plan:
-        """Raises SummarizerError when a summary had to be made and could not be.
+        """Raises SummarizerError when a summary had to be made and could not be."""
+        rest = cut.rest
+        target, latest = cut.length, cut.latest
+        keys = chain_hashes(scope, namespace, rest[:latest])
+        stored = [
+            entry
+            for entry in await self.store.lookup_all(keys, latest)
+            if _starts_cleanly(rest, entry.length) and not (force and entry.length < target)
+        ]
+        miss: Cache = "miss" if self.store.available else "none"
 
-        `carry`: a message inside the compacted span (the latest user message, in agent
-        loops) that is forwarded verbatim right after the summary whenever the summary
-        covers it.
-        """
-        pinned = prepared.pinned
-        rest = [*prepared.to_compact, *prepared.to_preserve]
-        cut = len(prepared.to_compact)
-        keys = chain_hashes(scope, namespace, prepared.to_compact)
-        stored = await self.store.lookup_all(keys, cut)
-        cache = "miss" if self.store.available else "none"
+        def forward(text: str, length: int, sticky: int | None = None) -> list[Message]:
+            return cut.forward(compaction.summary_message(text), length, sticky)
 
-        carry_at = next((i for i, m in enumerate(rest) if m is carry), len(rest))
-
-        def forward(summary: str, length: int) -> list[Message]:
-            carried = [rest[carry_at]] if carry_at < length else []
-            return [*pinned, compaction.summary_message(summary), *carried, *rest[length:]]
-
-        for entry in stored:
-            if force and entry.length != cut:
-                continue  # `force` asks for the full compaction, not a cheaper fit
-            if not _starts_cleanly(rest, entry.length):
-                continue  # a chunk boundary that would orphan a tool result
-            messages = forward(entry.text, entry.length)
-            tokens = await count(messages)
-            if tokens <= budget or entry.length == cut:
+        if stored:  # the longest: the one whose tail is shortest, and already upstream-cached
+            entry = stored[0]
+            messages = forward(entry.text, entry.length, entry.carried)
+            tokens = await budget.count(messages)
+            if tokens <= budget.tokens:
                 return Plan("reused", "hit", messages, entry.length, Usage(), tokens)
 
-        base = stored[0] if stored else None
-        start = base.length if base is not None else 0
-        paid: list[Summary] = []
+        async def make(
+            start: int, end: int, previous: str | None
+        ) -> tuple[StoredSummary, Usage | None]:
+            """The summary of rest[:end], from the one of rest[:start]; usage None: not paid
+            here (another request or replica made it)."""
+            paid: list[Summary] = []
 
-        async def make() -> StoredSummary:
-            async def keep_chunk(covered: int, partial: Summary) -> None:
-                length = start + covered
-                if 0 < length < cut:
-                    await self.store.put(keys[length - 1], _stored(partial, length, count_text))
+            async def produce() -> StoredSummary:
+                async def keep_chunk(covered: int, partial: Summary) -> None:
+                    length = start + covered
+                    if 0 < length < end and _starts_cleanly(rest, length):
+                        entry = _stored(partial, length, cut.ask_for(length), budget)
+                        await self.store.put(keys[length - 1], entry)
 
-            summary = await compaction.summarize_span(
-                summarizer,
-                prepared.to_compact[start:],
-                previous_summary=base.text if base is not None else None,
-                custom_instruction=custom_instruction,
-                on_chunk=keep_chunk,
+                summary = await compaction.summarize_span(
+                    summarizer, rest[start:end], previous_summary=previous, on_chunk=keep_chunk
+                )
+                paid.append(summary)
+                return _stored(summary, end, cut.ask_for(end), budget)
+
+            made = await self.flight.run(keys[end - 1], produce)
+            return made, (paid[0].usage if paid else None)
+
+        usage = Usage()
+        paid = False
+        fresh = not stored  # no stored summary to start from
+        base = next((e for e in stored if e.length < target), None)
+        if stored and stored[0].length >= target:
+            current = stored[0]  # covers the cut, but over budget
+        else:
+            current, made = await make(
+                base.length if base else 0, target, base.text if base else None
             )
-            paid.append(summary)
-            return _stored(summary, cut, count_text)
+            if made is not None:
+                usage, paid = usage + made, True
+        length, text = current.length, current.text
+        messages = forward(text, length, current.carried)
+        tokens = await budget.count(messages)
 
-        made = await self.flight.run(keys[cut - 1], make)
-        messages = forward(made.text, cut)
-        tokens = await count(messages)
-        if not paid:  # another request (or replica) made it while we waited
-            return Plan("reused", "hit", messages, cut, Usage(), tokens)
-        if base is not None:
-            return Plan("extended", "partial", messages, cut, paid[0].usage, tokens)
-        return Plan("compacted", cache, messages, cut, paid[0].usage, tokens)
+        steps = 0
+        while tokens > budget.tokens:
+            step = _next_stop(cut, length, tokens - budget.tokens, text, budget, steps)
+            if step is None:
+                break
+            current, made = await make(length, step, text)
+            if made is not None:
+                usage, paid = usage + made, True
+            length, text, steps = current.length, current.text, steps + 1
+            messages = forward(text, length, current.carried)
+            tokens = await budget.count(messages)
+
+        cache: Cache = "hit" if not paid else miss if fresh else "partial"
+        if tokens > budget.tokens:
+            return Plan("over_budget", cache, messages, length, usage, tokens)
+        if not paid:
+            return Plan("reused", "hit", messages, length, usage, tokens)
+        status: PlanStatus = "compacted" if fresh else "extended"
+        return Plan(status, cache, messages, length, usage, tokens)
 
 
-def _stored(summary: Summary, length: int, count_text: Callable[[str], int]) -> StoredSummary:
-    return StoredSummary(summary.text, length, count_text(summary.text), summary.usage, time.time())
+def _next_stop(
+    cut: Cut, length: int, excess: int, summary: str, budget: Budget, steps: int
+) -> int | None:
+    """The first clean boundary past `length` that drops enough of the tail to fit, allowing
+    for the summary to grow by half when extended; the last one after a few tries."""
+    later = [s for s in cut.stops if s > length]
+    if not later:
+        return None
+    if steps >= _MAX_STEPS:
+        return later[-1]
+    needed = excess + budget.count_text(summary) // 2 + 64
+    rest = cut.rest
+    dropped = 0
+    position = length
+    for stop in later:
+        while position < stop:
+            dropped += budget.count_message(rest[position])
+            position += 1
+        if dropped >= needed:
+            return stop
+    return later[-1]
+
+
+def _stored(summary: Summary, length: int, carried: int | None, budget: Budget) -> StoredSummary:
+    tokens = budget.count_text(summary.text)
+    return StoredSummary(summary.text, length, tokens, summary.usage, time.time(), carried)
 
 
 def _starts_cleanly(rest: list[Message], length: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -31,6 +32,8 @@ from pydantic_settings import (
     SettingsConfigDict,
     SettingsError,
 )
+
+from proxy.compaction.cut import DEFAULT_INJECTED
 
 
 class Section(BaseModel):
@@ -127,14 +130,35 @@ class CompactionModelSettings(Section):
 class CompactionSettings(Section):
     enabled: bool = True
     budget_tokens: int = Field(100_000, gt=0)
+    # "simple" | "structured" | "package.module:Factory" (see proxy/compaction/strategies.py).
+    strategy: str = "simple"
     max_preserved_messages: int = Field(2, ge=0)
+    # Share of the budget kept as recent messages verbatim after a compaction (at least
+    # max_preserved_messages of them); 0: only the max_preserved_messages (the reference).
+    keep_recent_ratio: float = Field(0.5, ge=0, lt=1)
     keep_last_user_message: bool = True
+    # The first user message (the task) stays verbatim after the pinned messages...
+    protect_task: bool = True
+    # ...unless it alone is larger than this: then it is summarized like the rest.
+    task_max_tokens: int = Field(4_000, gt=0)
+    # User messages an agent injects itself (not asks): never carried as "the latest ask".
+    injected_user_patterns: list[str] = list(DEFAULT_INJECTED)
     summary_role: Literal["user", "system", "assistant"] = "user"
     summary_max_tokens: int = Field(2_000, gt=0)
     on_error: Literal["forward", "reject"] = "forward"
     custom_instruction: str = ""
     summarizer: SummarizerSettings = SummarizerSettings()
     models: dict[str, CompactionModelSettings] = {}
+
+    @field_validator("injected_user_patterns")
+    @classmethod
+    def _check_patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {pattern!r} ({exc})") from None
+        return value
 
     def budget_for(self, model: str) -> int:
         override = self.models.get(model)

@@ -59,8 +59,13 @@ def request_body(**extra: Any) -> dict[str, Any]:
     }
 
 
+# The reference's cut: the last 2 user/assistant messages, no task or ask carried verbatim
+# (tests/test_compaction_rules.py covers the proxy's defaults).
+REFERENCE = {"keep_recent_ratio": 0, "protect_task": False, "keep_last_user_message": False}
+
+
 async def app_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:
-    compaction = {"budget_tokens": 1000, **sections.pop("compaction", {})}
+    compaction = {"budget_tokens": 1000, **REFERENCE, **sections.pop("compaction", {})}
     settings = make_settings(compaction=compaction, **sections)
     app = create_app(settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:

@@ -25,8 +25,8 @@ from tests.upstream_fakes import FakeUpstream, summary_of
 BUDGET = 2000
 
 
-def settings_for(**cache: Any) -> Any:
-    return make_settings(compaction={"budget_tokens": BUDGET}, cache=cache)
+def settings_for(compaction: dict[str, Any] | None = None, **cache: Any) -> Any:
+    return make_settings(compaction={"budget_tokens": BUDGET, **(compaction or {})}, cache=cache)
 
 
 async def open_client(app: Starlette) -> httpx.AsyncClient:
@@ -276,11 +276,12 @@ async def test_redis_outage_degrades_to_no_store(
     assert float(errors[0].split()[-1]) >= 1
 
 
-async def test_long_tool_loop_after_one_user_message_still_compacts(
-    memory_client: httpx.AsyncClient, fake: FakeUpstream
-) -> None:
+async def test_long_tool_loop_after_one_user_message_still_compacts(fake: FakeUpstream) -> None:
     """Coding agents run dozens of tool calls per user message. The cut cannot stop at that
-    message, so it is carried verbatim right after the summary instead."""
+    message, so it is carried verbatim right after the summary instead (with the task
+    protection off: otherwise that first message goes before the summary)."""
+    app = create_app(settings_for({"protect_task": False}, backend="memory"))
+    memory_client = await open_client(app)
     sessions = agent_turns(60, user_every=1000)  # one user message, then only tool calls
     ask = sessions[-1][1]
     assert ask["role"] == "user"
@@ -301,4 +302,5 @@ async def test_long_tool_loop_after_one_user_message_still_compacts(
         calls = {c["id"] for m in sent if m.get("tool_calls") for c in m["tool_calls"]}
         results = {m["tool_call_id"] for m in sent if m["role"] == "tool"}
         assert results <= calls and calls <= results
+    await memory_client.aclose()
     assert statuses.count("reused") > len(fake.summary_calls)

@@ -7,6 +7,7 @@ bump PROMPT_VERSION: stored summaries made under another version are then not re
 from __future__ import annotations
 
 PROMPT_VERSION = "v1"
+STRUCTURED_PROMPT_VERSION = "structured-v1"
 
 # Exactly the reference's system prompt for the summarization call.
 SYSTEM_PROMPT = "You are a helpful assistant that compacts conversation context."
@@ -75,13 +76,51 @@ The user asked for the following focus. It takes priority over the default prior
 {instruction}"""
 
 
-def compact_prompt(custom_instruction: str = "") -> str:
+def compact_prompt(custom_instruction: str = "", prompt: str = COMPACT_PROMPT) -> str:
     """The text placed after the serialized messages, with the user's focus block if any."""
     instruction = custom_instruction.strip()
     if not instruction:
-        return COMPACT_PROMPT
-    return COMPACT_PROMPT + CUSTOM_INSTRUCTION_BLOCK.format(instruction=instruction)
+        return prompt
+    return prompt + CUSTOM_INSTRUCTION_BLOCK.format(instruction=instruction)
 
 
 def message_header(index: int, role: str) -> str:
     return MESSAGE_HEADER.format(index=index, role=role)
+
+
+_TEMPLATE = """\
+## Goal
+What the user wants, in their terms; the current task and its next step.
+
+## Constraints and decisions
+- Each requirement, preference or limit, and each decision taken with its reason.
+
+## Done
+- Each finished step and its outcome.
+
+## Open items
+- Each unfinished step, open question or known problem (symptom, cause if known).
+
+## Key facts
+- Copied character for character, one per line: file paths, identifiers (functions,
+  classes, variables, ids), numbers and versions, URLs, commands, error messages."""
+
+STRUCTURED_PROMPT = f"""\
+The messages above are part of a conversation between a user and an AI agent that uses tools.
+Summarize them so the agent can continue without the original messages.
+
+Answer with exactly this template: keep every heading, write "- none" under an empty one, add
+no other sections. Be specific; drop repetition and failed attempts but keep their lesson.
+
+{_TEMPLATE}"""
+
+STRUCTURED_EXTEND_PROMPT = f"""\
+Message 1 above is the summary so far, in the template below; the messages after it came later.
+Update the summary section by section and answer with the whole updated summary:
+- Goal: keep it, unless the user changed or refined it.
+- Constraints and decisions: keep every entry; add the new ones.
+- Done: keep every entry; add what was finished since.
+- Open items: remove what is now done; add the new ones.
+- Key facts: keep every line exactly as it is; add the new facts, verbatim.
+
+{_TEMPLATE}"""

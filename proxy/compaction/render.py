@@ -212,8 +212,13 @@ def message_body(message: Message, max_tokens: int, count_tokens: CountTokens) -
     return Body(role, body, tokens)
 
 
-def compose(bodies: list[Body], custom_instruction: str = "") -> str:
-    """The summarizer's whole user message: numbered messages, then the compact prompt."""
+def compose(bodies: list[Body], custom_instruction: str = "", prompt: str | None = None) -> str:
+    """The summarizer's whole user message: numbered messages, then the compact prompt
+    (`prompt`, when given, replaces the default one)."""
     blocks = [message_header(i, body.role) + body.text for i, body in enumerate(bodies, 1)]
-    blocks.append(compact_prompt(custom_instruction))
+    blocks.append(
+        compact_prompt(custom_instruction)
+        if prompt is None
+        else compact_prompt(custom_instruction, prompt)
+    )
     return "\n\n".join(blocks)

@@ -27,6 +27,9 @@ class StoredSummary:
     tokens: int
     usage: Usage
     created_at: float
+    # The position of the user message forwarded verbatim after it when it was made (kept
+    # on reuse, so the forwarded prefix stays the same); None: none.
+    carried: int | None = None
 
     def encode(self) -> bytes:
         """Compact JSON; also the size the memory backend charges against its byte bound."""
@@ -41,6 +44,8 @@ class StoredSummary:
             },
             "created_at": self.created_at,
         }
+        if self.carried is not None:
+            data["carried"] = self.carried
         return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(
             "utf-8", errors="surrogatepass"
         )
@@ -56,6 +61,7 @@ class StoredSummary:
             text, length, tokens = data["text"], data["length"], data["tokens"]
             input_tokens, output_tokens = usage["input_tokens"], usage["output_tokens"]
             created_at = data["created_at"]
+            carried = data.get("carried")
         except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed stored summary: {type(exc).__name__}") from None
         ints = (length, tokens, input_tokens, output_tokens)
@@ -63,7 +69,10 @@ class StoredSummary:
             raise ValueError("malformed stored summary: field types")
         if not isinstance(created_at, int | float) or isinstance(created_at, bool):
             raise ValueError("malformed stored summary: created_at")
-        return cls(text, length, tokens, Usage(input_tokens, output_tokens), float(created_at))
+        if carried is not None and not _is_int(carried):
+            raise ValueError("malformed stored summary: carried")
+        usage = Usage(input_tokens, output_tokens)
+        return cls(text, length, tokens, usage, float(created_at), carried)
 
 
 def _is_int(value: object) -> bool:

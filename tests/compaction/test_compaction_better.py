@@ -26,7 +26,7 @@ def call(call_id: str, name: str = "run", arguments: str = "{}") -> dict[str, An
 
 
 def compact_text(compaction: SimpleCompaction, history: list[Message]) -> str:
-    message = compaction.prepare(history).compact_message
+    message = compaction.cut(history).compact_message
     assert message is not None
     content = message["content"]
     assert isinstance(content, str)
@@ -47,9 +47,9 @@ async def test_leading_system_and_developer_messages_are_pinned(fake: FakeSummar
         msg("assistant", "a2"),
         msg("user", "u3"),
     ]
-    prepared = SimpleCompaction(2).prepare(history)
+    prepared = SimpleCompaction(2).cut(history)
     assert prepared.pinned == history[:2] and prepared.pinned[0] is history[0]
-    assert prepared.to_compact == history[2:6] and prepared.cut == 6
+    assert prepared.to_compact == history[2:6] and prepared.index == 6
     content = compact_text(SimpleCompaction(2), history)
     assert "RULES" not in content
     assert "mid-conversation note" in content  # only leading ones are pinned
@@ -63,9 +63,9 @@ async def test_leading_system_and_developer_messages_are_pinned(fake: FakeSummar
 
 def test_only_pinned_messages_is_a_no_op() -> None:
     history = [msg("system", "s"), msg("developer", "d")]
-    prepared = SimpleCompaction(0).prepare(history)
+    prepared = SimpleCompaction(0).cut(history)
     assert prepared.compact_message is None and prepared.pinned == history
-    assert SimpleCompaction(1).prepare(history).compact_message is None
+    assert SimpleCompaction(1).cut(history).compact_message is None
 
 
 # -- tool calls rendered ----------------------------------------------------------------------
@@ -261,8 +261,8 @@ def test_cut_moves_back_rather_than_orphan_a_tool_result() -> None:
         msg("tool", "r2", tool_call_id="c2"),
         msg("user", "u1"),
     ]
-    prepared = SimpleCompaction(2, keep_last_user_message=False).prepare(history)
-    assert prepared.cut == 1  # not 3, which would orphan r2
+    prepared = SimpleCompaction(2, keep_last_user_message=False).cut(history)
+    assert prepared.index == 1  # not 3, which would orphan r2
 
 
 def test_cut_moves_back_rather_than_orphan_a_tool_calls_message() -> None:
@@ -273,8 +273,8 @@ def test_cut_moves_back_rather_than_orphan_a_tool_calls_message() -> None:
         msg("assistant", None, tool_calls=[call("c9")]),
         msg("user", "u1"),
     ]
-    prepared = SimpleCompaction(2, keep_last_user_message=False).prepare(history)
-    assert prepared.cut == 2
+    prepared = SimpleCompaction(2, keep_last_user_message=False).cut(history)
+    assert prepared.index == 2
 
 
 def test_results_without_ids_pair_with_the_nearest_call() -> None:
@@ -285,8 +285,8 @@ def test_results_without_ids_pair_with_the_nearest_call() -> None:
         msg("function", "legacy result", name="f"),
         msg("user", "u1"),
     ]
-    prepared = SimpleCompaction(2, keep_last_user_message=False).prepare(history)
-    assert prepared.cut == 1
+    prepared = SimpleCompaction(2, keep_last_user_message=False).cut(history)
+    assert prepared.index == 1
 
 
 # -- the latest user message survives -------------------------------------------------------
@@ -303,11 +303,11 @@ def test_agent_loop_keeps_the_latest_user_message() -> None:
         msg("assistant", None, tool_calls=[call("c2")]),
         msg("tool", "r2", tool_call_id="c2"),
     ]
-    prepared = SimpleCompaction(2).prepare(history)
-    assert prepared.cut == 3 and prepared.to_preserve[0] is history[3]
+    prepared = SimpleCompaction(2).cut(history)
+    assert prepared.index == 3 and prepared.to_preserve[0] is history[3]
     assert prepared.to_compact == history[1:3]
-    reference_like = SimpleCompaction(2, keep_last_user_message=False).prepare(history)
-    assert reference_like.cut == 4  # the reference would have summarized the latest ask
+    reference_like = SimpleCompaction(2, keep_last_user_message=False).cut(history)
+    assert reference_like.index == 4  # the reference would have summarized the latest ask
 
 
 def test_nothing_to_do_when_the_latest_user_message_is_first() -> None:
@@ -317,7 +317,7 @@ def test_nothing_to_do_when_the_latest_user_message_is_first() -> None:
         msg("tool", "r1", tool_call_id="c1"),
         msg("assistant", "done"),
     ]
-    assert SimpleCompaction(1).prepare(history).compact_message is None
+    assert SimpleCompaction(1).cut(history).compact_message is None
 
 
 def test_summary_role_is_configurable() -> None:
@@ -356,10 +356,10 @@ def agent_histories(draw: st.DrawFn) -> list[Message]:
 @given(history=agent_histories(), n=st.integers(0, 5), keep_user=st.booleans())
 def test_cut_invariants(history: list[Message], n: int, keep_user: bool) -> None:
     before = copy.deepcopy(history)
-    prepared = SimpleCompaction(n, keep_last_user_message=keep_user).prepare(history)
+    prepared = SimpleCompaction(n, keep_last_user_message=keep_user).cut(history)
     parts = prepared.pinned + prepared.to_compact + prepared.to_preserve
     assert len(parts) == len(history) and all(a is b for a, b in zip(parts, history, strict=True))
-    assert prepared.cut == len(prepared.pinned) + len(prepared.to_compact)
+    assert prepared.index == len(prepared.pinned) + len(prepared.to_compact)
     assert (prepared.compact_message is None) == (not prepared.to_compact)
     assert history == before
 
@@ -377,4 +377,4 @@ def test_cut_invariants(history: list[Message], n: int, keep_user: bool) -> None
         assert len(counted) >= n
         users = [i for i, m in enumerate(history) if m["role"] == "user"]
         if keep_user and users:
-            assert users[-1] >= prepared.cut
+            assert users[-1] >= prepared.index

@@ -32,7 +32,7 @@ def test_satisfies_the_protocol() -> None:
 
 async def test_too_few_messages_is_a_no_op(fake: FakeSummarizer) -> None:
     history = [msg("user", "hi")]
-    prepared = SimpleCompaction().prepare(history)
+    prepared = SimpleCompaction().cut(history)
     assert prepared.compact_message is None
     result = await SimpleCompaction().compact(history, fake)
     assert result.messages == history and result.messages[0] is history[0]
@@ -42,9 +42,9 @@ async def test_too_few_messages_is_a_no_op(fake: FakeSummarizer) -> None:
 
 async def test_exactly_n_messages_is_a_no_op(fake: FakeSummarizer) -> None:
     history = [msg("user", "hi"), msg("assistant", "hello")]
-    prepared = SimpleCompaction(2).prepare(history)
+    prepared = SimpleCompaction(2).cut(history)
     assert prepared.compact_message is None
-    assert prepared.to_compact == [] and prepared.to_preserve == history and prepared.cut == 0
+    assert prepared.to_compact == [] and prepared.to_preserve == history and prepared.index == 0
     await SimpleCompaction(2).compact(history, fake)
     assert fake.calls == []
 
@@ -56,15 +56,15 @@ async def test_zero_preserved_messages_is_a_no_op(fake: FakeSummarizer) -> None:
 
 def test_cut_counts_user_and_assistant_from_the_end() -> None:
     history = conversation()
-    prepared = SimpleCompaction(2).prepare(history)
-    assert prepared.cut == 3
+    prepared = SimpleCompaction(2).cut(history)
+    assert prepared.index == 3
     assert prepared.to_compact == history[:3]
     assert all(a is b for a, b in zip(prepared.to_preserve, history[3:], strict=True))
 
 
 def test_compact_message_is_numbered_messages_then_the_prompt() -> None:
     history = conversation()
-    message = SimpleCompaction(2).prepare(history).compact_message
+    message = SimpleCompaction(2).cut(history).compact_message
     assert message is not None and message["role"] == "user"
     content = message["content"]
     assert content.startswith("## Message 1\nRole: user\nContent:\nbuild the parser")
@@ -109,7 +109,7 @@ def test_thinking_is_dropped_from_the_summarizer_input() -> None:
         msg("user", "next"),
         msg("assistant", "ok"),
     ]
-    message = SimpleCompaction(2).prepare(history).compact_message
+    message = SimpleCompaction(2).cut(history).compact_message
     assert message is not None
     content = message["content"]
     assert "the answer" in content
@@ -125,19 +125,19 @@ def test_tool_messages_do_not_count_and_travel_with_the_cut() -> None:
         msg("assistant", "two files"),
         msg("user", "thanks"),
     ]
-    two = SimpleCompaction(2, keep_last_user_message=False).prepare(history)
-    assert two.cut == 3  # the tool result is compacted together with its call
-    three = SimpleCompaction(3, keep_last_user_message=False).prepare(history)
-    assert three.cut == 1  # the tool result is preserved together with its call
+    two = SimpleCompaction(2, keep_last_user_message=False).cut(history)
+    assert two.index == 3  # the tool result is compacted together with its call
+    three = SimpleCompaction(3, keep_last_user_message=False).cut(history)
+    assert three.index == 1  # the tool result is preserved together with its call
     assert three.to_preserve[1] is history[2]
 
 
 def test_custom_instruction_follows_the_prompt() -> None:
-    compaction = SimpleCompaction(2)
-    message = compaction.prepare(conversation(), custom_instruction="Keep all SQL").compact_message
+    focused = SimpleCompaction(2, custom_instruction="Keep all SQL")
+    message = focused.cut(conversation()).compact_message
     assert message is not None
     content = message["content"]
     assert content.index(COMPACT_PROMPT) < content.index("Keep all SQL")
     assert "priority" in content[content.index(COMPACT_PROMPT) + len(COMPACT_PROMPT) :]
-    blank = compaction.prepare(conversation(), custom_instruction="   ").compact_message
+    blank = SimpleCompaction(2, custom_instruction="   ").cut(conversation()).compact_message
     assert blank is not None and blank["content"].endswith(COMPACT_PROMPT)

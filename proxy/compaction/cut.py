@@ -1,0 +1,259 @@
+"""Where to cut a history, and which messages the cut must keep verbatim.
+
+Shared by the built-in strategies (a user's strategy may call `cut_history` too). What is
+protected, in order:
+
+1. leading system/developer messages: pinned in place, never summarized;
+2. the task, the first user message: forwarded verbatim right after the pinned messages
+   even when the summary covers it (unless it alone is over `task_max_tokens`: then it is
+   summarized like the rest and `Cut.task_summarized` says so);
+3. the latest ask: in "carry" mode the latest user message, when the summary covers it, is
+   forwarded verbatim right after the summary. The cut never waits for it, so it moves
+   forward as the conversation grows. User messages matching one of the `injected`
+   patterns (an agent's own "Tool call error: reply with exactly one tool call") are not
+   asks: they are summarized like tool output. A summary keeps carrying the ask it carried
+   when it was made (`StoredSummary.carried`), so reusing it forwards the same prefix.
+   In "pin" mode (the reference-like default of the class) the cut stops at the latest
+   user message instead;
+4. the tail: the last `max_preserved_messages` user/assistant messages and, with
+   `keep_tokens`, as many more recent messages as fit in that many tokens.
+
+The cut never separates an assistant `tool_calls` message from its results, either way.
+Everything here is linear in the number of messages.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from proxy.compaction.protocol import CountMessage, Message
+from proxy.compaction.render import content_text, message_role
+
+PINNED_ROLES = frozenset({"system", "developer"})
+COUNTED_ROLES = frozenset({"user", "assistant"})
+# Only the start of a user message is matched against the injected patterns.
+_MATCH_CHARS = 400
+
+# Messages agents inject themselves when they cannot parse the model's reply.
+DEFAULT_INJECTED = (
+    r"(?i)^\s*tool call error\b",
+    r"(?i)\breply with exactly one tool call\b",
+    r"(?i)^\s*your (last |previous )?(reply|response|output|message) (was|is) not "
+    r"(correctly |properly )?(formatted|valid|parseable)",
+)
+
+
+@dataclass(frozen=True)
+class CutRules:
+    max_preserved_messages: int = 2
+    latest_user: Literal["pin", "carry", "off"] = "pin"
+    task_max_tokens: int | None = None  # None: the task is not protected
+    injected: tuple[str, ...] = ()
+
+    @cached_property
+    def _patterns(self) -> list[re.Pattern[str]]:
+        return [re.compile(p) for p in self.injected]
+
+    def is_injected(self, message: Message) -> bool:
+        if not self.injected:
+            return False
+        head = content_text(message.get("content"))[:_MATCH_CHARS]
+        return any(p.search(head) for p in self._patterns)
+
+
+@dataclass(frozen=True)
+class CutPlan:
+    """`cut_history`'s answer, in absolute indexes of the input list."""
+
+    start: int  # first non-pinned message
+    index: int  # first preserved message (== start: nothing to compact)
+    task: int | None
+    asks: tuple[int, ...]
+    stops: tuple[int, ...]
+    task_summarized: bool
+
+
+def estimate_message(message: Message) -> int:
+    """~4 characters per token of the message's JSON, when no counter is given."""
+    return len(json.dumps(message, ensure_ascii=False, default=str)) // 4 + 4
+
+
+def cut_history(
+    messages: Sequence[Message],
+    rules: CutRules,
+    *,
+    keep_tokens: int | None = None,
+    count: CountMessage | None = None,
+) -> CutPlan:
+    count = count or estimate_message
+    start = 0
+    while start < len(messages) and message_role(messages[start]) in PINNED_ROLES:
+        start += 1
+    nothing = CutPlan(start, start, None, (), (), False)
+    partner = partners(messages)
+    latest = _count_cut(messages, start, rules, partner)
+    if latest <= start:
+        return nothing
+    index = latest
+    if keep_tokens is not None:
+        index = min(index, _token_cut(messages, start, keep_tokens, count, partner))
+
+    task, task_summarized, first = None, False, None
+    if rules.task_max_tokens is not None:
+        first = next((i for i in range(start, len(messages)) if _is_user(messages[i])), None)
+        if first is not None:
+            if count(messages[first]) <= rules.task_max_tokens:
+                task = first
+            else:
+                task_summarized = first < index
+    asks: tuple[int, ...] = ()
+    if rules.latest_user == "carry":
+        asks = tuple(
+            i
+            for i in range(start, len(messages))
+            if _is_user(messages[i])
+            and not rules.is_injected(messages[i])
+            and not (task_summarized and i == first)
+        )
+    stops = _clean_positions(partner, index, latest)
+    # A span of nothing but carried messages has nothing to summarize: move on if possible.
+    for position in (index, *stops):
+        if not _only_protected(start, position, task, asks):
+            later = tuple(s for s in stops if s > position)
+            return CutPlan(start, position, task, asks, later, task_summarized)
+    return nothing
+
+
+def _only_protected(start: int, end: int, task: int | None, asks: tuple[int, ...]) -> bool:
+    """Would a summary of messages[start:end] replace nothing but carried messages?
+
+    Stops at the first message that is not carried, so it costs O(1) in practice."""
+    carried = {task, asks[-1] if asks and asks[-1] < end else None}
+    return all(i in carried for i in range(start, end))
+
+
+def _is_user(message: Message) -> bool:
+    return message_role(message) == "user"
+
+
+def _count_cut(messages: Sequence[Message], start: int, rules: CutRules, partner: list[int]) -> int:
+    """The reference's cut: before the last N user/assistant messages, tool pairs intact."""
+    n = rules.max_preserved_messages
+    if n <= 0:
+        return start
+    counted = 0
+    cut = start
+    for index in range(len(messages) - 1, start - 1, -1):
+        if message_role(messages[index]) in COUNTED_ROLES:
+            counted += 1
+            if counted == n:
+                cut = index
+                break
+    if counted < n:
+        return start
+    if rules.latest_user == "pin":
+        for index in range(len(messages) - 1, start - 1, -1):
+            if _is_user(messages[index]):
+                cut = min(cut, index)
+                break
+    return max(start, keep_tool_pairs(messages, cut, partner))
+
+
+def _token_cut(
+    messages: Sequence[Message],
+    start: int,
+    keep_tokens: int,
+    count: CountMessage,
+    partner: list[int],
+) -> int:
+    """The earliest clean index whose tail fits in `keep_tokens` (walks the tail only)."""
+    used = 0
+    index = len(messages)
+    while index > start:
+        tokens = count(messages[index - 1])
+        if used + tokens > keep_tokens:
+            break
+        used += tokens
+        index -= 1
+    # Forward to a clean boundary: fewer tokens, never more.
+    low = len(messages)
+    clean = len(messages)
+    for position in range(len(messages) - 1, index - 1, -1):
+        low = min(low, partner[position])
+        if low >= position:
+            clean = position
+    return clean
+
+
+def _clean_positions(partner: list[int], first: int, last: int) -> tuple[int, ...]:
+    """Positions p in (first, last] where no tool pair crosses, ascending."""
+    found: list[int] = []
+    low = len(partner)
+    for position in range(len(partner) - 1, first, -1):
+        low = min(low, partner[position])
+        if position <= last and low >= position:
+            found.append(position)
+    found.reverse()
+    return tuple(found)
+
+
+def keep_tool_pairs(messages: Sequence[Message], cut: int, partner: list[int] | None = None) -> int:
+    """Move `cut` back until no tool result is separated from its call, in either direction.
+
+    Pairs are matched by id; a result without an id belongs to the nearest earlier message
+    with calls. Moving back only preserves more, so it never breaks another pair.
+    """
+    partner = partners(messages) if partner is None else partner
+    lo, hi = cut, len(messages)
+    while True:
+        need = min((partner[j] for j in range(lo, hi)), default=cut)
+        if need >= cut:
+            return cut
+        lo, hi, cut = need, cut, need
+
+
+def partners(messages: Sequence[Message]) -> list[int]:
+    """For each message, the lowest index that must stay on its side of any cut.
+
+    A cut at c keeps every pair intact exactly when min(partner[c:]) >= c.
+    """
+    calls_at: dict[str, int] = {}
+    results_at: dict[str, int] = {}
+    last_call: int | None = None
+    call_ids: list[list[str]] = []
+    partner = list(range(len(messages)))
+    for index, message in enumerate(messages):
+        ids = _call_ids(message)
+        call_ids.append(ids)
+        for call_id in ids:
+            calls_at[call_id] = index
+        if ids or (isinstance(message, dict) and isinstance(message.get("function_call"), dict)):
+            last_call = index
+        role = message_role(message)
+        if role not in ("tool", "function"):
+            continue
+        result_id = message.get("tool_call_id") if role == "tool" else None
+        if isinstance(result_id, str) and result_id:
+            results_at.setdefault(result_id, index)
+            if result_id in calls_at:
+                partner[index] = calls_at[result_id]
+        elif last_call is not None:
+            partner[index] = last_call
+    for index, ids in enumerate(call_ids):
+        found = [results_at[i] for i in ids if i in results_at]
+        partner[index] = min([partner[index], *found])
+    return partner
+
+
+def _call_ids(message: Message) -> list[str]:
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        return []
+    return [
+        c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
+    ]
