@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from proxy.tokens import register_commands
 
     register_commands(commands)
+    from proxy.usage.command import register_commands as register_usage
+
+    register_usage(commands)
     return parser
 
 

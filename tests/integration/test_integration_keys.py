@@ -5,6 +5,7 @@ without usage arriving without the usage chunk the proxy requested on its behalf
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -108,3 +109,39 @@ def test_stream_without_include_usage_gets_no_usage_chunk(
     assert all(c.choices for c in chunks)  # the usage-only chunk was removed
     [got] = fake_upstream.requests
     assert got.json()["stream_options"] == {"include_usage": True}
+
+
+def test_usage_command_reads_a_running_proxy(
+    upstream_url: str,
+    fake_upstream: FakeUpstream,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from proxy.cli import main
+
+    monkeypatch.setenv("ADMIN_TOKEN_FOR_TEST", "admin-secret")
+    entry = {"id": "team", "key_sha256": hashlib.sha256(PROXY_KEY.encode()).hexdigest()}
+    settings = proxy_settings(
+        upstream_url, auth={"keys": [entry]}, admin={"token_env": "ADMIN_TOKEN_FOR_TEST"}
+    )
+    server = ServerThread(create_app(settings), "proxy-usage", **PROXY_UVICORN).start()
+    try:
+        reply = sdk(f"{server.url}/v1", PROXY_KEY).chat.completions.create(
+            model="gpt-4o-mini", messages=MESSAGES
+        )
+        assert reply.usage is not None
+        monkeypatch.setenv("COMPACTION_PROXY_ADMIN__TOKEN_ENV", "ADMIN_TOKEN_FOR_TEST")
+        capsys.readouterr()
+        for _ in range(100):  # recording happens just after the reply; bounded wait for it
+            with pytest.raises(SystemExit):
+                main(["usage", "--url", server.url, "--json"])
+            rows = json.loads(capsys.readouterr().out)
+            if rows:
+                break
+            time.sleep(0.05)
+        [row] = rows
+        assert (row["key"], row["model"], row["requests"]) == ("team", "gpt-4o-mini", 1)
+        assert row["prompt_tokens_forwarded"] == reply.usage.prompt_tokens
+        assert row["completion_tokens"] == reply.usage.completion_tokens
+    finally:
+        server.stop()
