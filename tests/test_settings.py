@@ -22,14 +22,15 @@ def test_example_config_is_valid_and_equals_the_defaults() -> None:
     assert loaded == Settings()
     # Every section and key of the model appears in the example file.
     data = tomllib.loads(EXAMPLE.read_text())
-    for section in ("server", "upstream", "tokenizer", "compaction", "cache"):
+    for section in ("server", "upstream", "tokenizer", "compaction", "cache", "auth", "quota"):
         assert section in data
 
 
 def test_example_documents_every_key() -> None:
     text = EXAMPLE.read_text()
     settings = Settings()
-    for section in ("server", "upstream", "tokenizer", "compaction", "cache"):
+    sections = ("server", "upstream", "tokenizer", "compaction", "cache", "auth", "admin", "quota")
+    for section in sections:
         for key in type(getattr(settings, section)).model_fields:
             if key in ("models", "summarizer"):
                 continue
