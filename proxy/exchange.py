@@ -247,5 +247,5 @@ class Exchange:
 
     def disconnected(self) -> Response:
         """The client left before the upstream answered: 499, for the log and the metrics."""
-        log.info("client disconnected before the upstream answered request_id=%s", self.request_id)
+        log.info("client disconnected before the upstream answered")
         return Response(status_code=499)

@@ -3,6 +3,7 @@ request id on every line a request causes (and on the summarizer call upstream).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -141,3 +142,24 @@ def test_text_lines_carry_the_same_fields_as_key_value() -> None:
     record.upstream_status = None
     line = TextFormatter().format(record)
     assert line.endswith('INFO proxy.access GET /x request_id=req-1 status=200 model="gpt 4o"')
+
+
+async def test_access_line_names_the_proxy_key_never_the_key_itself(
+    fake: FakeUpstream, json_lines: Lines
+) -> None:
+    key = "pk-team-a-secret"
+    entry = {"id": "team-a", "key_sha256": hashlib.sha256(key.encode()).hexdigest()}
+    app = create_app(make_settings(auth={"keys": [entry]}))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
+        ok = await client.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {key}"},
+        )
+        refused = await client.get("/v1/models", headers={"authorization": "Bearer pk-wrong"})
+    assert ok.status_code == 200 and refused.status_code == 401
+    good, bad = access_lines(json_lines())
+    assert good["key_id"] == "team-a" and good["status"] == 200
+    assert bad["key_id"] is None and bad["status"] == 401
+    assert key not in json.dumps(json_lines())

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Bring deploy/compose.yaml up with podman and check that the two replicas share summaries
+# through Redis: a compacted request answered by one replica is reused by the other, with
+# one summarizer call in all. Not part of the test suite (it builds images; minutes).
+#
+#   deploy/check.sh            exit 0: passed (or skipped, saying why); 1: failed
+#
+# Needs podman and podman-compose (`apt-get install podman iptables`, `pip install
+# podman-compose`); containers get their limits and runtime from your containers.conf.
+# Without an image registry, a local stand-in for python:3.11-slim is made with debootstrap
+# when the image is missing (Debian bookworm + python3; a few minutes, once).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+project=compaction-proxy-check
+
+skip() { echo "deploy/check.sh: SKIPPED: $*"; exit 0; }
+fail() { echo "deploy/check.sh: FAILED: $*"; exit 1; }
+
+command -v podman >/dev/null || skip "podman is not installed (apt-get install podman)"
+if command -v podman-compose >/dev/null; then
+  compose=(podman-compose)
+elif python3 -c "import podman_compose" 2>/dev/null; then
+  compose=(python3 -m podman_compose)
+else
+  skip "podman-compose is not installed (pip install podman-compose)"
+fi
+compose+=(-p "$project" -f "$here/compose.yaml")
+
+base=docker.io/library/python:3.11-slim
+if ! podman image exists "$base" && ! podman pull -q "$base" >/dev/null 2>&1; then
+  command -v debootstrap >/dev/null || skip "no $base image, no registry and no debootstrap"
+  echo "making a local stand-in for $base with debootstrap..."
+  rootfs=$(mktemp -d /var/tmp/compaction-proxy-rootfs.XXXXXX)
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+    bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+  cp /etc/ssl/certs/ca-certificates.crt "$rootfs/etc/ssl/certs/ca-certificates.crt"
+  rm -f "$rootfs"/usr/lib/python3.*/EXTERNALLY-MANAGED
+  ln -sf python3 "$rootfs/usr/bin/python"
+  tar -C "$rootfs" -c . | podman import \
+    --change 'CMD ["python3"]' \
+    --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
+    --change 'ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' - "$base" >/dev/null
+  rm -rf "$rootfs"
+fi
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])'; }
+upstream_port=$(free_port)
+export PROXY_PORT=$(free_port)
+export UPSTREAM_BASE_URL="http://host.containers.internal:$upstream_port/v1"
+export PROXY_KEY_TEAM_A="pk-check-$RANDOM$RANDOM"
+export PROXY_KEY_TEAM_B="pk-check-$RANDOM$RANDOM"
+work=$(mktemp -d)
+
+# The upstream: answers chat completions (summarizer calls are the ones with max_tokens)
+# and counts summarizer calls at GET /calls.
+python3 - "$upstream_port" > "$work/upstream.log" 2>&1 <<'PY' &
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+calls = {"summarizer": 0, "forwarded": 0}
+class Handler(BaseHTTPRequestHandler):
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.reply(calls if self.path == "/calls" else {"object": "list", "data": []})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        summary = "max_tokens" in body or "max_completion_tokens" in body
+        calls["summarizer" if summary else "forwarded"] += 1
+        text = "SUMMARY: a long talk about parsers." if summary else "the answer"
+        self.reply({"id": "c", "object": "chat.completion", "model": body.get("model"),
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": text}}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), Handler).serve_forever()
+PY
+upstream_pid=$!
+
+cleanup() {
+  "${compose[@]}" logs > "$work/compose.log" 2>&1 || true
+  "${compose[@]}" down -t 5 >/dev/null 2>&1 || true
+  kill "$upstream_pid" 2>/dev/null || true
+  echo "logs kept in $work"
+}
+trap cleanup EXIT
+
+echo "building and starting deploy/compose.yaml ..."
+(cd "$root" && "${compose[@]}" build >"$work/build.log" 2>&1) || fail "build (see $work/build.log)"
+"${compose[@]}" up -d >"$work/up.log" 2>&1 || fail "up (see $work/up.log)"
+
+lb="http://127.0.0.1:$PROXY_PORT"
+for _ in $(seq 1 180); do
+  curl -fsS "$lb/readyz" >/dev/null 2>&1 && break
+  sleep 1
+done
+curl -fsS "$lb/readyz" >/dev/null || fail "$lb/readyz did not answer 200 within 180 s"
+
+body=$(python3 -c '
+import json
+messages = [{"role": "system", "content": "You are a coding agent."}]
+for i in range(8):
+    messages += [{"role": "user", "content": f"turn {i}: please refactor the parser " * 20},
+                 {"role": "assistant", "content": f"done {i}: changed the tokenizer " * 20}]
+messages.append({"role": "user", "content": "What is the state now?"})
+print(json.dumps({"model": "gpt-4o-mini", "messages": messages}))')
+
+ask() {  # $1: request id; prints the x-compaction-status and x-compaction-cache headers
+  curl -fsS -o /dev/null -D - "$lb/v1/chat/completions" \
+    -H "authorization: Bearer $PROXY_KEY_TEAM_A" -H "content-type: application/json" \
+    -H "x-compaction: force" -H "x-request-id: $1" -d "$body" \
+    | tr -d '\r' | awk -F': ' 'tolower($1)=="x-compaction-status"{s=$2} tolower($1)=="x-compaction-cache"{c=$2} END{print s, c}'
+}
+first=$(ask check-first) || fail "first request"
+second=$(ask check-second) || fail "second request"
+calls=$(curl -fsS "http://127.0.0.1:$upstream_port/calls")
+echo "first: $first; second: $second; upstream: $calls"
+
+# Round robin: the two requests must have been answered by different replicas.
+one=$(podman logs "${project}_proxy-1_1" 2>&1 | grep -o '"request_id": "check-[a-z]*"' | sort -u)
+two=$(podman logs "${project}_proxy-2_1" 2>&1 | grep -o '"request_id": "check-[a-z]*"' | sort -u)
+echo "proxy-1 served: ${one:-nothing}; proxy-2 served: ${two:-nothing}"
+[ "$first" = "compacted miss" ] || fail "first request: expected 'compacted miss', got '$first'"
+[ "$second" = "reused hit" ] || fail "second request: expected 'reused hit', got '$second'"
+[ -n "$one" ] && [ -n "$two" ] && [ "$one" != "$two" ] \
+  || fail "the two requests were not answered by different replicas"
+python3 -c 'import json,sys; sys.exit(json.loads(sys.argv[1])["summarizer"] != 1)' "$calls" \
+  || fail "expected exactly one summarizer call across both replicas: $calls"
+echo "deploy/check.sh: PASSED: two replicas behind one port share summaries through Redis"

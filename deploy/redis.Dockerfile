@@ -1,0 +1,11 @@
+# Redis from Debian's packages on the same base as the proxy's image, so the stack builds
+# with nothing but a python:3.11-slim image and apt.
+FROM python:3.11-slim
+# Debian's redis-server at the version bookworm ships; pinning it would break on updates.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends redis-server \
+    && rm -rf /var/lib/apt/lists/*
+USER redis
+EXPOSE 6379
+CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", "--appendonly", "no"]
