@@ -256,3 +256,18 @@ def test_an_unknown_strategy_fails_at_start() -> None:
     for name in ("nope", "no_such_module:Factory", "proxy.compaction.simple:Missing"):
         with pytest.raises(ConfigError, match=r"compaction\.strategy"):
             create_app(make_settings(compaction={"strategy": name}))
+
+
+def test_the_store_namespace_is_the_strategys_fingerprint() -> None:
+    """Summaries made under one strategy (or one prompt setting) are never reused by another."""
+
+    def namespace(**compaction: Any) -> str:
+        compactor = create_app(make_settings(compaction=compaction)).state.proxy.compactor
+        return str(compactor.namespace("m", compactor.compaction_for("m")))
+
+    simple = namespace()
+    assert simple == namespace(max_preserved_messages=5, keep_recent_ratio=0.2)  # the cut only
+    assert simple != namespace(strategy="structured")
+    assert simple != namespace(summary_max_tokens=999)
+    assert simple != namespace(custom_instruction="keep SQL")
+    assert simple != namespace(summary_role="system")

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Literal
 
-from proxy.compaction.protocol import CountMessage, Message
+from proxy.compaction.protocol import CountMessage, Cut, Message
 from proxy.compaction.render import content_text, message_role
 
 PINNED_ROLES = frozenset({"system", "developer"})
@@ -76,6 +76,34 @@ class CutPlan:
     asks: tuple[int, ...]
     stops: tuple[int, ...]
     task_summarized: bool
+
+
+def cut_messages(
+    messages: list[Message],
+    rules: CutRules,
+    *,
+    keep_tokens: int | None = None,
+    count: CountMessage | None = None,
+    render: Callable[[list[Message]], Message] | None = None,
+) -> Cut:
+    """`cut_history` as a `Cut`; `render(span)` builds the summarizer's message on demand."""
+    plan = cut_history(messages, rules, keep_tokens=keep_tokens, count=count)
+    start, index = plan.start, plan.index
+    pinned = list(messages[:start])
+    if index <= start:
+        return Cut(pinned, [], list(messages[start:]), start)
+    to_compact = list(messages[start:index])
+    return Cut(
+        pinned,
+        to_compact,
+        list(messages[index:]),
+        index,
+        task=None if plan.task is None else plan.task - start,
+        asks=tuple(a - start for a in plan.asks),
+        stops=tuple(s - start for s in plan.stops),
+        task_summarized=plan.task_summarized,
+        render=None if render is None else partial(render, to_compact),
+    )
 
 
 def estimate_message(message: Message) -> int:

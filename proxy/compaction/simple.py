@@ -12,10 +12,9 @@ summarizer would see and splice stored summaries without calling anyone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
-from proxy.compaction.cut import CutRules, cut_history
+from proxy.compaction.cut import CutRules, cut_messages
 from proxy.compaction.prompt import PROMPT_VERSION, SUMMARY_MARKER, SYSTEM_PROMPT, compact_prompt
 from proxy.compaction.protocol import (
     CompactionResult,
@@ -108,22 +107,8 @@ class SimpleCompaction:
     ) -> Cut:
         """Cut the history (proxy/compaction/cut.py); the summarizer's message for the part
         before the cut is built on first access to `compact_message`."""
-        plan = cut_history(messages, self.rules, keep_tokens=keep_tokens, count=count)
-        start, index = plan.start, plan.index
-        pinned = list(messages[:start])
-        if index <= start:
-            return Cut(pinned, [], list(messages[start:]), start)
-        to_compact = list(messages[start:index])
-        return Cut(
-            pinned,
-            to_compact,
-            list(messages[index:]),
-            index,
-            task=None if plan.task is None else plan.task - start,
-            asks=tuple(a - start for a in plan.asks),
-            stops=tuple(s - start for s in plan.stops),
-            task_summarized=plan.task_summarized,
-            render=partial(self.render, to_compact),
+        return cut_messages(
+            messages, self.rules, keep_tokens=keep_tokens, count=count, render=self.render
         )
 
     def render(
