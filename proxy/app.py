@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -24,9 +25,11 @@ from proxy.exchange import ExchangeMiddleware
 from proxy.logs import AccessLog
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
+from proxy.paths import upstream_path
 from proxy.quota import Quotas, create_ledger
 from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
+from proxy.redact import redact_url
 from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
 from proxy.state import ProxyState
 from proxy.store import create_store
@@ -82,7 +85,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        log.info("proxying to %s", settings.upstream.base_url)
+        log.info("proxying to %s", redact_url(settings.upstream.base_url))
         if served is not None:
             served.serve()
         reload_on_sighup(state.gate.source)
@@ -108,7 +111,7 @@ def create_app(
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],
         middleware=[Middleware(ExchangeMiddleware, sinks=[AccessLog(), metrics])],
-        exception_handlers={Exception: internal_error},
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
     app.state.proxy = state
@@ -146,6 +149,22 @@ async def not_found(request: Request) -> Response:
         "(set your client's base URL to http://HOST:PORT/v1).",
         code="unknown_url",
     ).response()
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own answers (no such route, method not allowed) in OpenAI's envelope."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404 and request.url.path.startswith("/v1/"):
+        try:  # the router's patterns skip paths with line breaks: say what is wrong instead
+            upstream_path(request.scope)
+        except ProxyError as invalid:
+            return invalid.response()
+    if exc.status_code == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path!r}."
+        code = "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    return ProxyError(exc.status_code, message, code=code, headers=exc.headers).response()
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:

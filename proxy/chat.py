@@ -99,14 +99,20 @@ def parse_control(request: Request) -> Control:
     budget: int | None = None
     raw_budget = request.headers.get("x-compaction-budget")
     if raw_budget is not None:
-        if not raw_budget.strip().isdigit() or int(raw_budget) <= 0:
+        if not _is_positive_integer(raw_budget):
             raise bad_request(
                 f"Invalid x-compaction-budget header {raw_budget!r}: expected a positive integer.",
                 param="x-compaction-budget",
                 code="invalid_header",
             )
-        budget = int(raw_budget)
+        budget = int(raw_budget.strip())
     return Control(mode=mode, budget=budget)  # type: ignore[arg-type]
+
+
+def _is_positive_integer(text: str) -> bool:
+    """ASCII digits only: `str.isdigit` also accepts '²' or '٣', which `int` refuses or reads."""
+    text = text.strip()
+    return text.isascii() and text.isdigit() and int(text) > 0
 
 
 def reencode(body: dict[str, Any], messages: list[Any]) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -23,7 +24,7 @@ from proxy.metrics import Metrics
 from proxy.planner import Budget, SummaryPlanner
 from proxy.report import Cache, Decision, Outcome
 from proxy.settings import ConfigError, Settings
-from proxy.store import SummaryFlight, SummaryStore, namespace_for
+from proxy.store import NullStore, SummaryFlight, SummaryStore, namespace_for
 
 log = logging.getLogger("proxy.compaction")
 
@@ -71,7 +72,7 @@ class Job:
     budget: int
     force: bool
     client_headers: dict[str, str]
-    scope: str  # the summary store tenant
+    scope: str | None  # the summary store tenant (None: no store)
 
     @property
     def messages(self) -> list[Message]:
@@ -95,6 +96,8 @@ class Compactor:
         self.store = store
         self.metrics = metrics
         self.planner = SummaryPlanner(store, SummaryFlight(store))
+        unstored = NullStore()
+        self.unstored_planner = SummaryPlanner(unstored, SummaryFlight(unstored))
         summarizer = settings.compaction.summarizer
         self.breaker = CircuitBreaker(
             summarizer.breaker_failures,
@@ -112,7 +115,7 @@ class Compactor:
         control: Control,
         *,
         client_headers: dict[str, str],
-        scope: str,
+        scope: str | None,
     ) -> Outcome:
         """`client_headers`: what the summarizer call carries, as
         `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant.
@@ -178,12 +181,15 @@ class Compactor:
             # Pinned + tools + protected + the minimum tail alone are over budget, and what a
             # summary could replace is no larger than a summary may be: it cannot help.
             return Decision("skipped", "preserved_over_budget")
+        planner, scope = self.planner, job.scope
+        if scope is None:  # no store: a scope of its own, so not even single flight is shared
+            planner, scope = self.unstored_planner, f"request:{uuid.uuid4().hex}"
         try:
-            plan = await self.planner.plan(
+            plan = await planner.plan(
                 cut,
                 compaction,
                 self.summarizer_for(job.summarizer_model, job.client_headers),
-                scope=job.scope,
+                scope=scope,
                 namespace=self.namespace(job.summarizer_model, compaction),
                 budget=Budget(
                     job.budget,
@@ -194,7 +200,7 @@ class Compactor:
                 force=job.force,
             )
         except SummarizerError as error:
-            cache: Cache | None = None if self.store.available else "none"
+            cache: Cache | None = None if planner.store.available else "none"
             return Decision("failed", error.reason, cache=cache, error=str(error))
         if not job.force and plan.tokens >= job.tokens:
             # The summary is longer than what it replaces: forward the original instead.

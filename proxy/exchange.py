@@ -238,8 +238,15 @@ class Exchange:
         response: httpx.Response,
         extra_headers: Mapping[str, str] | None = None,
         tap: ReplyTap | None = None,
+        *,
+        watch: bool = True,
     ) -> Response:
-        return await self.state.upstream.relay(response, self.request_id, extra_headers, tap)
+        """`watch`: a disconnect while a small reply is read whole aborts the upstream (only
+        once the request body has been read, as for `guard`)."""
+        receive = self.request.receive if watch else None
+        return await self.state.upstream.relay(
+            response, self.request_id, extra_headers, tap, receive=receive
+        )
 
     def error(self, exc: ProxyError, extra_headers: Mapping[str, str] | None = None) -> Response:
         """The error's envelope, with the request id (and any `extra_headers`)."""

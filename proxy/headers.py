@@ -3,6 +3,10 @@
 Hop-by-hop headers (RFC 9110 7.6.1, plus any the `Connection` header names) belong to a single
 connection and never cross the proxy. Everything else crosses unchanged, provider headers
 included (`openai-*`, `x-ratelimit-*`, `x-request-id`), because SDKs read them.
+
+Header text here is the wire bytes decoded as latin-1, which maps every byte to one character
+and back: a value such as `X-Title: Café` (UTF-8 or latin-1 on the wire) crosses the proxy
+byte for byte in both directions (`as_text` / `as_bytes`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,23 @@ CONTROL_PREFIX = "x-compaction"
 REQUEST_ID = "x-request-id"
 
 Headers = list[tuple[str, str]]
+RawHeaders = list[tuple[bytes, bytes]]
+
+
+def as_text(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
+    return [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw]
+
+
+def as_bytes(headers: Iterable[tuple[str, str]]) -> RawHeaders:
+    """Back to wire bytes; a value the proxy made itself beyond latin-1 goes as UTF-8."""
+    return [(_encode(name), _encode(value)) for name, value in headers]
+
+
+def _encode(text: str) -> bytes:
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode("utf-8")
 
 
 def _connection_named(headers: Iterable[tuple[str, str]]) -> set[str]:
@@ -127,8 +148,8 @@ def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> Head
 
 
 def client_headers_of(scope: Scope) -> Headers:
-    """The client's request headers as text (ASGI gives latin-1 bytes)."""
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+    """The client's request headers as text (ASGI gives the wire bytes)."""
+    return as_text(scope["headers"])
 
 
 def credential_of(headers: Iterable[tuple[str, str]]) -> str | None:

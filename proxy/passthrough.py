@@ -1,4 +1,8 @@
-"""Every other route under /v1/: relayed to the same path under the upstream base URL."""
+"""Every other route under /v1/: relayed to the same path under the upstream base URL.
+
+The path goes up as the client wrote it (percent-encodings kept), never above the base path
+(proxy/paths.py).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from starlette.responses import Response
 from proxy.auth import check_model
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
+from proxy.paths import upstream_path
 from proxy.quota.quotas import reply_quota_headers
 from proxy.upstream import RequestContent
 from proxy.validation import Upload, read_body
@@ -28,6 +33,7 @@ async def passthrough(request: Request) -> Response:
     upload: Upload | None = None
     watch = True
     try:
+        path = upstream_path(request.scope)
         caller = exchange.admit()
         headers = exchange.upstream_headers()
         if length is not None and length.isdigit() and int(length) <= limit:
@@ -44,9 +50,7 @@ async def passthrough(request: Request) -> Response:
         quota = await exchange.state.quotas.charge(caller.key, 0)
 
         def send() -> Awaitable[httpx.Response]:
-            return exchange.open(
-                request.method, request.path_params["path"], headers=headers, content=content
-            )
+            return exchange.open(request.method, path, headers=headers, content=content)
 
         try:
             response = await (exchange.guard(send) if watch else send())
@@ -58,7 +62,7 @@ async def passthrough(request: Request) -> Response:
         return exchange.error(exc)
     except ClientDisconnected:
         return exchange.disconnected()
-    return await exchange.relay(response, reply_quota_headers(quota))
+    return await exchange.relay(response, reply_quota_headers(quota), watch=watch)
 
 
 def model_in(content: bytes) -> str:

@@ -18,10 +18,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.redact import host_of
 from proxy.settings import Settings
 
 Clock = Callable[[], float]
@@ -93,11 +93,6 @@ class Readiness:
         if failing:
             body["failing"] = failing
         return not failing, body
-
-
-def host_of(url: str) -> str:
-    """`host[:port]` of `url`, never its `user:password@`."""
-    return urlsplit(url).netloc.rpartition("@")[2]
 
 
 def upstream_probe(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Probe:

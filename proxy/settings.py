@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from proxy.compaction.cut import DEFAULT_INJECTED
+from proxy.redact import has_userinfo, redact_url
 
 
 class Section(BaseModel):
@@ -82,9 +83,20 @@ class UpstreamSettings(Section):
     @field_validator("base_url")
     @classmethod
     def _check_base_url(cls, value: str) -> str:
-        if not value.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return value.rstrip("/")
+        return check_base_url(value)
+
+
+def check_base_url(value: str) -> str:
+    """An upstream URL: http(s), and no `user:password@` (it would be printed in logs, and
+    collide with the client's Authorization header)."""
+    if not value.startswith(("http://", "https://")):
+        raise ValueError("must start with http:// or https://")
+    if has_userinfo(value):
+        raise ValueError(
+            "must not contain user:password@ (put the credential in upstream.api_key, or "
+            "compaction.summarizer.api_key)"
+        )
+    return value.rstrip("/")
 
 
 class TokenizerSettings(Section):
@@ -121,6 +133,11 @@ class SummarizerSettings(Section):
     context_tokens: int = Field(100_000, gt=1000)
     # Each message fed to the summarizer keeps at most this many tokens (head + tail).
     max_message_tokens: int = Field(4_000, gt=16)
+
+    @field_validator("base_url")
+    @classmethod
+    def _check_base_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_base_url(value)
 
 
 class CompactionModelSettings(Section):
@@ -170,6 +187,9 @@ class CompactionSettings(Section):
 class CacheSettings(Section):
     backend: Literal["memory", "redis", "none"] = "memory"
     scope: Literal["credential", "global"] = "credential"
+    # Requests without a credential: "none" keeps their summaries out of the store (a shared
+    # scope would let one key-less client learn what another sent); "shared" pools them.
+    anonymous: Literal["none", "shared"] = "none"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "compaction-proxy:"
     ttl_s: int = Field(7 * 24 * 3600, gt=0)
@@ -315,6 +335,8 @@ def _shown(loc: Sequence[str], value: object) -> str:
         word in part for part in loc for word in ("key", "token", "secret", "password")
     ):
         return ""
+    if isinstance(value, str) and "://" in value:
+        value = redact_url(value)
     text = repr(value)
     return f" (got {text[:80]}{'...' if len(text) > 80 else ''})"
 

@@ -9,6 +9,11 @@ Numbers and the other options measured: bench/README.md, `python -m bench.transp
 errors onto httpx's (refused -> ConnectError; connect/read/pool timeouts -> ConnectTimeout,
 ReadTimeout, PoolTimeout). httpx's write timeout has no aiohttp counterpart and is not
 applied; `max_keepalive_connections` is not enforced (idle ones expire after keepalive_expiry).
+Header bytes cross unchanged: aiohttp writes header text as UTF-8, so a request whose header
+bytes are not UTF-8 (latin-1 from `requests` or Node) goes through httpx's own transport,
+which writes bytes as given. A request is sent once: aiohttp's own resend of idempotent
+requests when a reused keep-alive connection drops is off, since the upstream may already
+have acted on the first. `slots` counts the pool's in-use and free connection slots.
 Which wire a client gets is chosen by whoever builds it (`create_app(transport=...)`); the
 app's default, `ServedTransport`, is httpx's own transport in-process and aiohttp once served.
 """
@@ -18,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,6 +38,55 @@ from proxy.settings import UpstreamSettings
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _LARGE_BODY = 1 << 20  # aiohttp warns on bytes bodies above 1 MiB; BytesIO is sent in chunks
 _HTTP_11 = {"http_version": b"HTTP/1.1"}
+
+
+@dataclass(frozen=True)
+class PoolSlots:
+    """Connection slots of the upstream pool: one is held from send until the response closes."""
+
+    in_use: int
+    free: int
+
+
+class _Slots:
+    """`max_connections` slots; waiting for one is bounded by the pool timeout."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self._semaphore = asyncio.Semaphore(limit)
+
+    async def acquire(self, wait_s: float | None) -> None:
+        if self._semaphore.locked():
+            try:
+                async with asyncio.timeout(wait_s):
+                    await self._semaphore.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("no free connection to the upstream") from None
+        else:
+            await self._semaphore.acquire()
+        self.in_use += 1
+
+    def release(self) -> None:
+        self.in_use -= 1
+        self._semaphore.release()
+
+    @property
+    def counts(self) -> PoolSlots:
+        return PoolSlots(in_use=self.in_use, free=self.limit - self.in_use)
+
+
+class _Silenced(logging.Filter):
+    """Drops httpx's per-request INFO line: it prints the full URL, query string included
+    (`?api-key=...`), and the proxy logs each request itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and str(record.msg).startswith("HTTP Request:"))
+
+
+_HTTPX_LOG = logging.getLogger("httpx")
+if not any(isinstance(f, _Silenced) for f in _HTTPX_LOG.filters):
+    _HTTPX_LOG.addFilter(_Silenced())
 
 
 @contextlib.contextmanager
@@ -72,9 +128,9 @@ class _NoCookies(httpx.Cookies):
 class _ResponseStream(httpx.AsyncByteStream):
     """The body as it arrives; closing before the end closes the upstream connection."""
 
-    def __init__(self, response: aiohttp.ClientResponse, slot: asyncio.Semaphore) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, slot: _Slots) -> None:
         self._response = response
-        self._slot: asyncio.Semaphore | None = slot
+        self._slot: _Slots | None = slot
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         reader = self._response.content
@@ -104,6 +160,36 @@ class _ResponseStream(httpx.AsyncByteStream):
             self._response.close()  # abort: the upstream sees the connection drop
 
 
+class _FallbackStream(httpx.AsyncByteStream):
+    """A response of httpx's own transport that gives its pool slot back when closed."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, slot: _Slots) -> None:
+        self._stream = stream
+        self._slot: _Slots | None = slot
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()
+        finally:
+            if self._slot is not None:
+                self._slot.release()
+                self._slot = None
+
+
+def _headers_for_aiohttp(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]] | None:
+    """The headers as aiohttp wants them (text it writes as UTF-8); None if that would change
+    a byte. Transfer-Encoding is aiohttp's to set for streamed bodies."""
+    try:
+        pairs = [(k.decode("utf-8"), v.decode("utf-8")) for k, v in raw]
+    except UnicodeDecodeError:
+        return None
+    return [(k, v) for k, v in pairs if k.lower() != "transfer-encoding"]
+
+
 def _buffered(reader: aiohttp.StreamReader) -> bytes:
     """Bytes received but not yet read, without the stored-exception check (private API)."""
     read_nowait = getattr(reader, "_read_nowait", None)
@@ -130,7 +216,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         self._limits = limits
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._slots: asyncio.Semaphore | None = None
+        self._slots: _Slots | None = None
+        self._fallback: httpx.AsyncHTTPTransport | None = None
         self._timeouts: dict[tuple[Any, ...], aiohttp.ClientTimeout] = {}
 
     def _new_session(self) -> aiohttp.ClientSession:
@@ -139,8 +226,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             keepalive_timeout=self._limits.keepalive_expiry,
             ssl=httpx.create_ssl_context(),
         )
-        self._slots = asyncio.Semaphore(self._limits.max_connections or 1 << 30)
-        return aiohttp.ClientSession(
+        session = aiohttp.ClientSession(
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=_SKIP_AUTO_HEADERS,
@@ -149,6 +235,18 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             max_line_size=65536,
             max_field_size=65536,
         )
+        # No public switch: without it aiohttp resends GET/PUT/DELETE/... once by itself when a
+        # reused connection drops, after the upstream may have acted on the first one.
+        session._retry_connection = False
+        return session
+
+    @property
+    def slots(self) -> PoolSlots:
+        """In-use and free slots of the pool in the current event loop (all free before use)."""
+        if self._slots is None:
+            limit = self._limits.max_connections or 1 << 30
+            return PoolSlots(in_use=0, free=limit)
+        return self._slots.counts
 
     def _timeout(self, timeouts: dict[str, float | None]) -> aiohttp.ClientTimeout:
         key = (timeouts.get("connect"), timeouts.get("read"))
@@ -161,34 +259,47 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return timeout
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        session = self._session
         loop = asyncio.get_running_loop()
-        if session is None or session.closed or self._loop is not loop:
+        if self._loop is not loop or self._slots is None:
             # Lazily, in the running loop: the app builds its client before the loop starts,
             # and in-process tests may run it in more than one loop.
-            if session is not None:
-                _retire(session)
-            session = self._session = self._new_session()
+            if self._session is not None:
+                _retire(self._session)
+                self._session = None
+            self._slots = _Slots(self._limits.max_connections or 1 << 30)
             self._loop = loop
         slots = self._slots
-        assert slots is not None
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
-        if slots.locked():
-            try:
-                async with asyncio.timeout(timeouts.get("pool")):
-                    await slots.acquire()
-            except TimeoutError:
-                raise httpx.PoolTimeout("no free connection to the upstream") from None
-        else:
-            await slots.acquire()
+        await slots.acquire(timeouts.get("pool"))
+        try:
+            headers = _headers_for_aiohttp(request.headers.raw)
+            if headers is None:
+                return await self._send_fallback(request, slots)
+            session = self._session
+            if session is None or session.closed:
+                session = self._session = self._new_session()
+            return await self._send(session, request, headers, slots, timeouts)
+        except BaseException:
+            slots.release()
+            raise
 
-        # Names as the caller wrote them; aiohttp sets Transfer-Encoding itself for streams.
-        encoding = request.headers.encoding
-        headers = [
-            (k.decode(encoding), v.decode(encoding))
-            for k, v in request.headers.raw
-            if k.lower() != b"transfer-encoding"
-        ]
+    async def _send_fallback(self, request: httpx.Request, slots: _Slots) -> httpx.Response:
+        if self._fallback is None:
+            self._fallback = httpx.AsyncHTTPTransport(limits=self._limits)
+        response = await self._fallback.handle_async_request(request)
+        stream = response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        response.stream = _FallbackStream(stream, slots)
+        return response
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        request: httpx.Request,
+        headers: list[tuple[str, str]],
+        slots: _Slots,
+        timeouts: dict[str, float | None],
+    ) -> httpx.Response:
         stream = request.stream
         data: Any
         if isinstance(stream, httpx.ByteStream):
@@ -197,23 +308,20 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 data = io.BytesIO(data)
         else:
             data = stream  # an async iterable; aiohttp sends it chunked (or by Content-Length)
-        try:
-            with _map_errors(sending=True):
-                response = await session.request(
-                    request.method,
-                    URL(str(request.url), encoded=True),
-                    headers=headers,
-                    data=data,
-                    allow_redirects=False,
-                    timeout=self._timeout(timeouts),
-                    server_hostname=request.extensions.get("sni_hostname"),
-                )
-        except BaseException:
-            slots.release()
-            raise
+        with _map_errors(sending=True):
+            response = await session.request(
+                request.method,
+                URL(str(request.url), encoded=True),
+                headers=headers,
+                data=data,
+                allow_redirects=False,
+                timeout=self._timeout(timeouts),
+                server_hostname=request.extensions.get("sni_hostname"),
+            )
         extensions = _HTTP_11
         if response.reason:
-            extensions = {**_HTTP_11, "reason_phrase": response.reason.encode("latin-1")}
+            reason = response.reason.encode("utf-8", errors="surrogateescape")
+            extensions = {**_HTTP_11, "reason_phrase": reason}
         return httpx.Response(
             response.status,
             headers=response.raw_headers,
@@ -225,6 +333,9 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._fallback is not None:
+            await self._fallback.aclose()
+            self._fallback = None
 
 
 class ServedTransport(httpx.AsyncBaseTransport):
@@ -251,6 +362,11 @@ class ServedTransport(httpx.AsyncBaseTransport):
         if self._served is None:
             self._served = UpstreamTransport(self._limits)
 
+    @property
+    def slots(self) -> PoolSlots | None:
+        """The aiohttp pool's slots once served (httpx's own pool keeps no such count)."""
+        return self._served.slots if self._served is not None else None
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if self._served is not None:
             return await self._served.handle_async_request(request)
@@ -262,6 +378,14 @@ class ServedTransport(httpx.AsyncBaseTransport):
         for transport in (self._in_process, self._served):
             if transport is not None:
                 await transport.aclose()
+
+
+def pool_slots(client: httpx.AsyncClient) -> PoolSlots | None:
+    """The upstream pool's slot counts, when `client` runs on one of the transports here."""
+    transport = client._transport
+    if isinstance(transport, UpstreamTransport | ServedTransport):
+        return transport.slots
+    return None
 
 
 def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:

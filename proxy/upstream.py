@@ -9,15 +9,26 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
-from urllib.parse import urlsplit
 
 import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from proxy.errors import ProxyError
-from proxy.headers import REQUEST_ID, Headers, client_response_headers
+from proxy.disconnect import cancel_on_disconnect
+from proxy.errors import ClientDisconnected, ProxyError
+from proxy.headers import (
+    REQUEST_ID,
+    Headers,
+    RawHeaders,
+    as_bytes,
+    as_text,
+    client_response_headers,
+)
+from proxy.paths import quote_query
+from proxy.redact import host_of
 from proxy.settings import UpstreamSettings
+from proxy.transport import PoolSlots, pool_slots
 
 log = logging.getLogger("proxy.upstream")
 
@@ -51,12 +62,18 @@ class Upstream:
     def __init__(self, client: httpx.AsyncClient, settings: UpstreamSettings) -> None:
         self.client = client
         self.base_url = settings.base_url
-        self.host = urlsplit(settings.base_url).netloc
+        self.host = host_of(settings.base_url)
         self.timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
 
     def url_for(self, path: str, query: bytes = b"") -> str:
-        url = f"{self.base_url}/{path.lstrip('/')}"
-        return f"{url}?{query.decode('latin-1')}" if query else url
+        """`path` is already a URL path (percent-encoded as the client wrote it)."""
+        url = f"{self.base_url}/{path}"
+        return f"{url}?{quote_query(query)}" if query else url
+
+    def pool_slots(self) -> PoolSlots | None:
+        """In-use and free connection slots towards the upstream (None: not counted, as for
+        httpx's own transport in-process)."""
+        return pool_slots(self.client)
 
     async def open(
         self,
@@ -70,10 +87,18 @@ class Upstream:
         """Send the request and return once the upstream's status and headers are in.
 
         The body is left unread (`stream=True`); the caller relays it and must close it.
+        Header values go out as the bytes the client sent.
         """
         # A bare Request, not client.build_request: the client's default headers (Accept,
         # Accept-Encoding, User-Agent) would be added to what the client sent.
-        request = httpx.Request(method, self.url_for(path, query), headers=headers, content=content)
+        try:
+            request = httpx.Request(
+                method, self.url_for(path, query), headers=as_bytes(headers), content=content
+            )
+        except httpx.InvalidURL as exc:
+            raise ProxyError(
+                400, f"The request URL cannot be forwarded: {exc}", code="invalid_url"
+            ) from None
         request.extensions["timeout"] = self.timeout.as_dict()
         try:
             return await self.client.send(request, stream=True)
@@ -111,51 +136,104 @@ class Upstream:
         request_id: str,
         extra_headers: Mapping[str, str] | None = None,
         tap: ReplyTap | None = None,
+        *,
+        receive: Receive | None = None,
     ) -> Response:
-        """The upstream's reply for the client, byte for byte; the upstream response is closed.
+        """The upstream's reply for the client, byte for byte (headers too).
 
         A small reply of known length (a typical non-streaming completion) is read whole and
         sent as one response: its bytes are already on their way, and it spares a streaming
-        task per request. Anything else is streamed as it arrives: if the client disconnects,
-        Starlette cancels the body iterator and the `finally` closes the upstream response,
-        which aborts the upstream connection.
+        task per request. While it is read, a client disconnect (seen through `receive`, when
+        the caller has finished reading the request body) aborts the upstream. Anything else
+        is streamed as it arrives. On every path the upstream response is closed: here, or
+        by the returned response once the server has run it.
         """
-        headers = client_response_headers(upstream.headers.multi_items())
-        content_type = upstream.headers.get("content-type", "")
-        extra = dict(extra_headers or {})
-        if REQUEST_ID not in upstream.headers:  # the upstream's own id wins
-            extra[REQUEST_ID] = request_id
-        streaming = content_type.startswith("text/event-stream")
-        if streaming:
-            extra.setdefault("cache-control", "no-cache")
-            extra.setdefault("x-accel-buffering", "no")
-        length = upstream.headers.get("content-length", "")
-        response: Response
-        if not streaming and length.isdigit() and int(length) <= WHOLE_REPLY_BYTES:
-            try:
-                body = b"".join([chunk async for chunk in _relay_body(upstream, self.host)])
-            except UpstreamBrokeOff as exc:
-                return ProxyError(
-                    502,
-                    f"The upstream {self.host} broke off its reply: {exc.__cause__}",
-                    type="upstream_error",
-                    code="upstream_broke_off",
-                ).response(extra)
+        try:
+            extra = dict(extra_headers or {})
+            if REQUEST_ID not in upstream.headers:  # the upstream's own id wins
+                extra[REQUEST_ID] = request_id
+            content_type = upstream.headers.get("content-type", "")
+            streaming = content_type.startswith("text/event-stream")
+            if streaming:
+                extra.setdefault("cache-control", "no-cache")
+                extra.setdefault("x-accel-buffering", "no")
+            length = upstream.headers.get("content-length", "")
+            if streaming or not (length.isdigit() and int(length) <= WHOLE_REPLY_BYTES):
+                chunks = _relay_body(upstream, self.host)
+                if tap is not None:
+                    chunks = tap.relay(upstream.status_code, upstream.headers, chunks)
+                return RelayResponse(upstream, chunks, _client_headers(upstream, extra))
+        except BaseException:
+            await _close(upstream)
+            raise
+        return await self._relay_whole(upstream, extra, tap, receive)
+
+    async def _relay_whole(
+        self,
+        upstream: httpx.Response,
+        extra: dict[str, str],
+        tap: ReplyTap | None,
+        receive: Receive | None,
+    ) -> Response:
+        async def read() -> bytes:  # the wire bytes: no content-decoding
+            if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
+                return upstream.content
+            return b"".join([chunk async for chunk in upstream.aiter_raw()])
+
+        try:
+            body = await (read() if receive is None else cancel_on_disconnect(receive, read))
             if tap is not None:
                 extra.update(tap.whole(upstream.status_code, upstream.headers, body))
-            response = Response(body, upstream.status_code)
-        else:
-            chunks = _relay_body(upstream, self.host)
-            if tap is not None:
-                chunks = tap.relay(upstream.status_code, upstream.headers, chunks)
-            response = StreamingResponse(chunks, upstream.status_code)
-        names = {name.lower() for name in extra}
-        headers = [(k, v) for k, v in headers if k.lower() not in names] + list(extra.items())
-        raw_headers = [
-            (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers
-        ]
+            raw_headers = _client_headers(upstream, extra)
+        except ClientDisconnected:
+            log.info("client disconnected while the upstream %s sent its reply", self.host)
+            return Response(status_code=499)
+        except httpx.TimeoutException as exc:
+            return self.failure(exc).response(extra)
+        except httpx.HTTPError as exc:
+            log.warning("upstream %s failed mid-response: %s", self.host, type(exc).__name__)
+            return ProxyError(
+                502,
+                f"The upstream {self.host} broke off its reply: {type(exc).__name__}",
+                type="upstream_error",
+                code="upstream_broke_off",
+            ).response(extra)
+        finally:
+            await _close(upstream)
+        response = Response(body, upstream.status_code)
         response.raw_headers = raw_headers
         return response
+
+
+def _client_headers(upstream: httpx.Response, extra: dict[str, str]) -> RawHeaders:
+    """The upstream's end-to-end headers as received, then ours (which replace same-named)."""
+    names = {name.lower() for name in extra}
+    relayed = client_response_headers(as_text(upstream.headers.raw))
+    kept = [(k, v) for k, v in relayed if k.lower() not in names]
+    return [(k.lower(), v) for k, v in as_bytes([*kept, *extra.items()])]
+
+
+class RelayResponse(StreamingResponse):
+    """Streams the upstream's body; closes the upstream response however the send ends
+    (finished, failed, client gone, or cancelled before the first byte)."""
+
+    def __init__(
+        self, upstream: httpx.Response, chunks: AsyncIterator[bytes], raw_headers: RawHeaders
+    ) -> None:
+        super().__init__(chunks, upstream.status_code)
+        self.raw_headers = raw_headers
+        self.upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await _close(self.upstream)
+
+
+async def _close(upstream: httpx.Response) -> None:
+    with anyio.CancelScope(shield=True):
+        await upstream.aclose()
 
 
 async def _relay_body(upstream: httpx.Response, host: str) -> AsyncIterator[bytes]:
@@ -172,5 +250,4 @@ async def _relay_body(upstream: httpx.Response, host: str) -> AsyncIterator[byte
         log.warning("upstream %s failed mid-response: %s", host, type(exc).__name__)
         raise UpstreamBrokeOff(f"upstream {host} broke off the response") from exc
     finally:
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()
+        await _close(upstream)

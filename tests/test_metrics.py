@@ -37,7 +37,11 @@ async def open_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:
     compaction = {"budget_tokens": 1000, **sections.pop("compaction", {})}
     app = create_app(make_settings(compaction=compaction, **sections))
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
+    # A credential: key-less clients get no summary store (cache.anonymous).
+    headers = {"authorization": "Bearer sk-metrics"}
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://p", headers=headers
+    ) as client:
         yield client
     await app.state.proxy.upstream.client.aclose()
 

@@ -80,8 +80,13 @@ class Gate:
         upstream = key.upstream_api_key or self._upstream_key
         return Caller(key, upstream, self._summarizer_key or upstream)
 
-    def scope(self, caller: Caller, client_headers: Headers) -> str:
-        """The summary store tenant: the key id with keys, else the client's credential."""
+    def scope(self, caller: Caller, client_headers: Headers) -> str | None:
+        """The summary store tenant: the key id with keys, else the client's credential
+        (None: no store)."""
+        cache = self.settings.cache
         return scope_for(
-            credential_of(client_headers), self.settings.cache.scope, key_id=caller.key_id
+            credential_of(client_headers),
+            cache.scope,
+            key_id=caller.key_id,
+            anonymous=cache.anonymous,
         )

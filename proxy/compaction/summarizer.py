@@ -21,6 +21,7 @@ import httpx
 from proxy import jsonbytes
 from proxy.compaction.protocol import Message, SummarizerError, Summary, Usage
 from proxy.compaction.render import content_text, strip_reasoning
+from proxy.headers import as_bytes
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -237,7 +238,8 @@ class UpstreamSummarizer:
                 response = await self.client.post(
                     self.url,
                     content=jsonbytes.cleaned(body),  # httpx's json= fails on lone surrogates
-                    headers={**self.headers, "content-type": "application/json"},
+                    # The client's header bytes as sent (latin-1 text here, see proxy.headers).
+                    headers=as_bytes([*self.headers.items(), ("content-type", "application/json")]),
                     timeout=httpx.Timeout(remaining),
                 )
         except (httpx.TimeoutException, TimeoutError):

@@ -36,19 +36,23 @@ def scope_for(
     mode: Literal["credential", "global"],
     *,
     key_id: str | None = None,
-) -> str:
+    anonymous: Literal["none", "shared"] = "none",
+) -> str | None:
     """The tenant scope: a one-way hash of the credential, never the credential itself.
 
-    With proxy keys, the key's id is the tenant: a rotated key keeps its summaries and two
-    keys never share (whatever `mode` says). Requests without a credential share the
-    "anonymous" scope; "global" shares one scope for all.
+    None means "no store for this request". With proxy keys, the key's id is the tenant: a
+    rotated key keeps its summaries and two keys never share (whatever `mode` says).
+    Requests without a credential get no store unless `anonymous` is "shared" (then they
+    share the "anonymous" scope): key-less clients have nothing that tells them apart, and a
+    shared scope would let one learn, from a cache hit, whether another sent a given
+    history. "global" shares one scope for all.
     """
     if key_id is not None:
         return "k:" + _digest(key_id.encode("utf-8"), b"cp-scope-key").hex()
     if mode == "global":
         return "global"
     if credential is None:
-        return "anonymous"
+        return "anonymous" if anonymous == "shared" else None
     return "c:" + _digest(credential.encode("utf-8", errors="surrogatepass"), b"cp-scope").hex()
 
 

@@ -95,12 +95,14 @@ def test_canonical_form() -> None:
 def test_scope_isolates_credentials_and_hides_them() -> None:
     a = scope_for("sk-secret-a", "credential")
     b = scope_for("sk-secret-b", "credential")
+    assert a is not None and b is not None
     assert a != b
     assert "sk-secret-a" not in a and "secret" not in a
     assert a == scope_for("sk-secret-a", "credential")
     assert chain_hashes(a, NS, HISTORY) != chain_hashes(b, NS, HISTORY)
     assert set(chain_hashes(a, NS, HISTORY)).isdisjoint(chain_hashes(b, NS, HISTORY))
-    assert scope_for(None, "credential") == "anonymous" != a
+    assert scope_for(None, "credential") is None  # no store for key-less clients by default
+    assert scope_for(None, "credential", anonymous="shared") == "anonymous" != a
     assert scope_for("sk-secret-a", "global") == scope_for("sk-secret-b", "global")
     assert scope_for(None, "global") == "global"
 

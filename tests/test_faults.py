@@ -1,0 +1,175 @@
+"""A live proxy (uvicorn, 127.0.0.1) against an upstream that misbehaves in every way we know.
+
+For each fault: what the client sees, and that afterwards every pool slot is free, the
+upstream has no reply in progress and no proxy task is left. Each fault is repeated more
+times than the pool has slots, so a slot leaked per faulted reply would turn the last ones
+into pool timeouts. Every request carries credentials (headers, query string); the
+module's log check asserts none of them reached any log record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import until
+from tests.fault_rig import CHAT, CREDENTIALS, QUERY, SECRETS, SLOTS, TIMES, assert_no_secrets, rig
+from tests.fault_upstream import ODD_HEADERS, REPLY_BYTES, RawReply, assert_envelope, http_request
+
+
+@pytest.fixture(autouse=True)
+def no_secret_in_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Every record at every level, from every logger (the log-capture check of the suite)."""
+    caplog.set_level(logging.DEBUG)
+    yield
+    records = caplog.get_records("setup") + caplog.get_records("call")
+    assert records  # the capture works (the proxy logs its faults)
+    assert_no_secrets(records)
+
+
+def _sse_started(reply: RawReply) -> None:
+    assert reply.status == 200
+    assert reply.header(b"content-type") == b"text/event-stream"
+    assert reply.body.startswith(b'data: {"choices":[]}')
+    assert not reply.complete  # cut off, not passed off as a finished stream
+
+
+async def test_slow_first_byte_answers_504_and_aborts_the_upstream() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            assert_envelope(await r.chat("slow-first-byte"), 504, "upstream_timeout")
+        await r.settled()
+        assert r.upstream.cut_by_peer == TIMES
+
+
+async def test_a_body_that_stalls_after_the_headers_answers_504() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            assert_envelope(await r.chat("stall-after-headers"), 504, "upstream_timeout")
+        assert_envelope(await r.get(b"/v1/models", "stall-after-headers"), 504)
+        await r.settled()
+        assert r.upstream.cut_by_peer == TIMES + 1
+
+
+async def test_a_stream_that_stalls_is_cut_off_for_the_client() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            _sse_started(await r.chat("stall-mid-stream"))
+        await r.settled()
+        assert r.upstream.cut_by_peer == TIMES
+
+
+async def test_a_stream_reset_by_the_upstream_is_cut_off_for_the_client() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            _sse_started(await r.chat("reset-mid-stream"))
+            _sse_started(await r.get(b"/v1/models" + QUERY, "reset-mid-stream"))
+        await r.settled()
+
+
+async def test_rate_limits_and_server_errors_are_relayed_as_sent() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            limited = await r.chat("rate-limited")
+            assert limited.status == 429
+            assert limited.header(b"retry-after") == b"7"
+            assert limited.json()["error"]["message"] == "slow down"
+            down = await r.get(b"/v1/models", "server-error")
+            assert down.status == 503
+            assert down.json()["error"]["message"] == "upstream down"
+        await r.settled()
+
+
+async def test_non_json_and_truncated_bodies() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            html = await r.chat("non-json")
+            assert (html.status, html.body) == (200, b"<html>oops</html>")
+            assert html.header(b"content-type") == b"text/html"
+            assert_envelope(await r.chat("truncated"), 502, "upstream_broke_off")
+        await r.settled()
+
+
+async def test_reply_headers_that_are_not_latin1_text_cross_byte_for_byte() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            for reply in (await r.chat("odd-headers"), await r.get(b"/v1/models", "odd-headers")):
+                assert (reply.status, reply.body) == (200, REPLY_BYTES)
+                for name, value in ODD_HEADERS:
+                    assert reply.header(name) == value
+        await r.settled()
+
+
+@pytest.mark.parametrize("model", ["summarizer-hang", "summarizer-fail"])
+async def test_a_summarizer_that_hangs_or_fails_still_forwards_the_request(model: str) -> None:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [
+                {"role": "user", "content": "old question " * 50},
+                {"role": "assistant", "content": "old answer " * 50},
+                {"role": "user", "content": "next"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "now"},
+            ],
+        }
+    ).encode()
+    async with rig(max_preserved_messages=1) as r:
+        for _ in range(TIMES):
+            reply = await r.chat("", body=body, extra=[(b"x-compaction", b"force")])
+            assert (reply.status, reply.body) == (200, REPLY_BYTES)
+            assert reply.header(b"x-compaction-status") == b"failed"
+        await r.settled()
+        summarizer_calls = [s for s in r.upstream.seen if s.is_summary]
+        forwarded = [s for s in r.upstream.seen if not s.is_summary]
+        assert [s.body for s in forwarded] == [body] * TIMES  # each went out as sent
+        assert len(summarizer_calls) == TIMES
+        assert all(s.header(b"authorization") == b"Bearer " + SECRETS[3] for s in summarizer_calls)
+        if model == "summarizer-hang":
+            assert r.upstream.cut_by_peer == len(summarizer_calls)
+
+
+async def test_client_leaving_while_the_reply_body_is_pending_aborts_the_upstream() -> None:
+    # A long read timeout: only the client's leaving can end the upstream's hold in time.
+    async with rig(timeout_s=60) as r:
+        for route in (b"/v1/chat/completions", b"/v1/models"):
+            before = r.upstream.headers_out
+            method = "POST" if route.endswith(b"completions") else "GET"
+            request = http_request(
+                method,
+                route,
+                headers=[*CREDENTIALS, (b"x-fault", b"stall-after-headers")],
+                body=CHAT if method == "POST" else None,
+            )
+            _, writer = await asyncio.open_connection("127.0.0.1", r.port)
+            writer.write(request)
+            await writer.drain()
+            await until(lambda b=before: r.upstream.headers_out == b + 1)  # type: ignore[misc]
+            writer.close()
+            await until(lambda b=before: r.upstream.cut_by_peer == b + 1)  # type: ignore[misc]
+        await r.settled()
+
+
+async def test_a_get_is_sent_upstream_once_when_a_reused_connection_drops() -> None:
+    async with rig() as r:
+        assert (await r.get(b"/v1/models")).status == 200
+        assert_envelope(await r.get(b"/v1/models", "drop"), 502, "upstream_unreachable")
+        await r.settled()
+        seen = r.upstream.requests_for(b"/models")
+        assert [s.header(b"x-fault") for s in seen] == [None, b"drop"]
+        assert seen[0].connection == seen[1].connection  # the pooled connection was reused
+
+
+async def test_the_pool_serves_normally_after_every_fault() -> None:
+    async with rig() as r:
+        faults = ["slow-first-byte", "stall-after-headers", "truncated", "reset-mid-stream"]
+        for fault in faults:
+            await r.chat(fault)
+        await r.settled()
+        replies = await asyncio.gather(*(r.chat("ok") for _ in range(2 * SLOTS)))
+        assert [reply.status for reply in replies] == [200] * 2 * SLOTS
+        await r.settled()
