@@ -27,6 +27,8 @@ COMPLAINT = {
     "content": "Tool call error: could not parse your reply. Please reply with exactly one "
     "tool call.",
 }
+
+
 def tool_turn(i: int, words: int = 120) -> list[dict[str, Any]]:
     call = {"id": f"c{i}", "type": "function", "function": {"name": "run", "arguments": "{}"}}
     return [

@@ -1,10 +1,12 @@
-"""`compaction-proxy serve --workers 2`: both workers serve, their metrics add up in one
-scrape, every line (uvicorn's and each worker's) is JSON, the metrics files go at exit."""
+"""`compaction-proxy serve` as operators run it: `--workers 2` (both workers serve, their
+metrics add up in one scrape, every line is JSON, the metrics files go at exit) and the
+drain on SIGTERM (`server.drain_timeout_s`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import WAIT_S, FakeUpstream, ServerThread
+from tests.integration.harness import PIECES, REPLY_TEXT, WAIT_S, FakeUpstream, ServerThread
 from tests.integration.harness import closed_port as free_port
 
 pytestmark = pytest.mark.integration
@@ -41,44 +43,56 @@ class Served:
         return found
 
 
+def start_serve(
+    upstream: ServerThread, tmp: Path, *flags: str, env: dict[str, str] | None = None
+) -> Served:
+    """`compaction-proxy serve` on a free port against the fake upstream, once ready."""
+    port = free_port()
+    stderr = tmp / "stderr.log"
+    full_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    full_env |= {"TMPDIR": str(tmp), **(env or {})}  # TMPDIR: where serve makes its metrics dir
+    command = [
+        sys.executable, "-m", "proxy.cli", "serve", "--upstream", f"{upstream.url}/v1",
+        "--port", str(port), "--log-format", "json", *flags,
+    ]  # fmt: skip
+    with stderr.open("wb") as sink:
+        process = subprocess.Popen(
+            command, cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=sink
+        )
+    served = Served(f"http://127.0.0.1:{port}", process, stderr, tmp)
+    deadline = time.monotonic() + START_S
+    while True:  # bounded poll of readiness
+        if process.poll() is not None:
+            pytest.fail(f"serve exited: {stderr.read_text()}")
+        try:
+            if httpx.get(f"{served.base}/readyz", timeout=2).status_code == 200:
+                return served
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            stop(served)
+            pytest.fail("serve did not become ready")
+        time.sleep(0.05)
+
+
+def stop(served: Served) -> None:
+    served.process.terminate()
+    try:
+        served.process.wait(WAIT_S * 4)
+    except subprocess.TimeoutExpired:
+        served.process.kill()
+        served.process.wait(WAIT_S)
+
+
 @pytest.fixture
 def two_workers(
     upstream_server: tuple[FakeUpstream, ServerThread], tmp_path: Path
 ) -> Iterator[Served]:
-    _, upstream = upstream_server
-    port = free_port()
-    stderr = tmp_path / "stderr.log"
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env["TMPDIR"] = str(tmp_path)  # where serve makes its metrics directory
-    command = [
-        sys.executable, "-m", "proxy.cli", "serve", "--workers", "2",
-        "--upstream", f"{upstream.url}/v1", "--port", str(port), "--log-format", "json",
-    ]  # fmt: skip
-    with stderr.open("wb") as sink:
-        process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=sink
-        )
-    served = Served(f"http://127.0.0.1:{port}", process, stderr, tmp_path)
+    served = start_serve(upstream_server[1], tmp_path, "--workers", "2")
     try:
-        deadline = time.monotonic() + START_S
-        while True:  # bounded poll of readiness
-            if process.poll() is not None:
-                pytest.fail(f"serve --workers 2 exited: {stderr.read_text()}")
-            try:
-                if httpx.get(f"{served.base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve --workers 2 did not become ready"
-            time.sleep(0.05)
         yield served
     finally:
-        process.terminate()
-        try:
-            process.wait(WAIT_S * 4)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(WAIT_S)
+        stop(served)
 
 
 def chat(base: str) -> int:
@@ -143,3 +157,63 @@ def test_two_workers_share_the_port_and_their_counters_add_up(two_workers: Serve
     access = [r for r in records if r["logger"] == "proxy.access" and r["path"] == CHAT_ROUTE]
     assert len(access) == sent
     assert len({r["request_id"] for r in access}) == sent
+
+
+def stream_request(base: str, model: str) -> Iterator[str]:
+    with (
+        httpx.Client(timeout=WAIT_S * 2) as client,
+        client.stream(
+            "POST",
+            f"{base}/v1/chat/completions",
+            json={"model": model, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+            headers={"authorization": "Bearer sk-test"},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        yield from response.iter_lines()
+
+
+def test_sigterm_lets_a_stream_in_flight_finish(
+    upstream_server: tuple[FakeUpstream, ServerThread],
+    fake_upstream: FakeUpstream,
+    tmp_path: Path,
+) -> None:
+    served = start_serve(upstream_server[1], tmp_path)  # drain_timeout_s: 30 s by default
+    try:
+        lines = stream_request(served.base, "lockstep")
+        received = [next(line for line in lines if line.startswith("data:"))]
+        served.process.send_signal(signal.SIGTERM)
+        for index in range(1, len(PIECES)):  # the upstream goes on only once the signal is in
+            fake_upstream.signal(f"next-{index}").set()
+        received += [line for line in lines if line.startswith("data:")]
+        # uvicorn re-raises the signal once drained, so the exit status names it.
+        assert served.process.wait(WAIT_S * 4) in (0, -signal.SIGTERM)
+    finally:
+        stop(served)
+    assert received[-1] == "data: [DONE]"
+    text = "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content", "") for line in received[:-1]
+    )
+    assert text == REPLY_TEXT
+
+
+def test_drain_timeout_bounds_the_wait_for_a_stream_that_never_ends(
+    upstream_server: tuple[FakeUpstream, ServerThread],
+    fake_upstream: FakeUpstream,
+    tmp_path: Path,
+) -> None:
+    served = start_serve(
+        upstream_server[1], tmp_path, env={"COMPACTION_PROXY_SERVER__DRAIN_TIMEOUT_S": "0.5"}
+    )
+    try:
+        lines = stream_request(served.base, "hang")
+        next(line for line in lines if line.startswith("data:"))
+        served.process.send_signal(signal.SIGTERM)
+        # The upstream holds the stream for HOLD_S (> WAIT_S): exiting within WAIT_S is the
+        # drain timeout's doing.
+        served.process.wait(WAIT_S)
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:
+                pass
+    finally:
+        stop(served)
