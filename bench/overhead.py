@@ -5,20 +5,46 @@
 Targets: `direct` (the fast upstream, bench/upstream.py), `relay` (bench/relay.py, plain
 httpx: the baseline of this stack), `proxy` (proxy.app:create_app as users run it, upstream
 pointed at the bench upstream; compaction on with the default budget, so the small and ~30k-
-token bodies pass through after token counting). Each is a uvicorn subprocess pinned to CPU 0;
-upstream and load generator share CPU 1 (see bench/harness.py). Repeats are interleaved
-across targets and the per-metric median is printed; added p50 = p50 - direct p50.
+token bodies pass through after token counting), `keys-memory` / `keys-redis` (the same proxy
+with a proxy key that has every quota set, high enough never to refuse, memory or Redis quota
+backend at 127.0.0.1:6379 under a random prefix: the quota check, usage accounting and stream
+usage tap on every request; compare with `proxy`, same run). Each is a uvicorn subprocess
+pinned to CPU 0; upstream and load generator share CPU 1 (see bench/harness.py). Repeats are
+interleaved across targets and the per-metric median is printed; added p50 = p50 - direct p50.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import os
+import secrets
 
 from bench import harness
 
 TIKTOKEN_CACHE = harness.ROOT.parent / "shared" / "tiktoken-cache"
+
+# The load generator sends `Authorization: Bearer sk-bench`.
+_BENCH_KEY = {
+    "id": "bench",
+    "key_sha256": hashlib.sha256(b"sk-bench").hexdigest(),
+    "requests_per_minute": 10**9,
+    "prompt_tokens_per_minute": 10**12,
+    "prompt_tokens_per_day": 10**13,
+    "spend_usd_per_day": 10.0**9,
+    "spend_usd_per_month": 10.0**10,
+}
+_KEYS_ENV = {"COMPACTION_PROXY_AUTH__KEYS": json.dumps([_BENCH_KEY])}
+KEY_TARGETS: dict[str, dict[str, str]] = {
+    "keys-memory": _KEYS_ENV | {"COMPACTION_PROXY_QUOTA__BACKEND": "memory"},
+    "keys-redis": _KEYS_ENV
+    | {
+        "COMPACTION_PROXY_QUOTA__BACKEND": "redis",
+        "COMPACTION_PROXY_QUOTA__KEY_PREFIX": f"bench-{secrets.token_hex(4)}:",
+    },
+}
 
 
 def main() -> None:
@@ -28,7 +54,10 @@ def main() -> None:
     parser.add_argument("--stream", nargs="+", choices=["no", "yes"], default=["no", "yes"])
     parser.add_argument("--servers", nargs="+", choices=["uvloop", "asyncio"], default=["uvloop"])
     parser.add_argument(
-        "--targets", nargs="+", choices=["relay", "proxy"], default=["relay", "proxy"]
+        "--targets",
+        nargs="+",
+        choices=["relay", "proxy", *KEY_TARGETS],
+        default=["relay", "proxy"],
     )
     parser.add_argument("--duration", type=float, default=2.0)
     parser.add_argument("--warmup", type=float, default=0.5)
@@ -49,8 +78,9 @@ def main() -> None:
             for name in args.targets:
                 port = harness.free_port()
                 label = name if args.servers == ["uvloop"] else f"{name}/{kind}"
-                cmd = harness.uvicorn_cmd(apps[name], port, kind)
-                targets[label] = stack.enter_context(harness.server(cmd, port, env))
+                cmd = harness.uvicorn_cmd(apps.get(name, apps["proxy"]), port, kind)
+                server_env = env | KEY_TARGETS.get(name, {})
+                targets[label] = stack.enter_context(harness.server(cmd, port, server_env))
         for _ in range(args.repeats):
             for body in args.body:
                 for stream in args.stream:
@@ -89,8 +119,50 @@ def main() -> None:
                         "" if label == "direct" else f"{r.cpu_us:.0f}", str(r.errors),
                     ])  # fmt: skip
     harness.print_table(header, rows)
+    _drop_redis_keys(KEY_TARGETS["keys-redis"]["COMPACTION_PROXY_QUOTA__KEY_PREFIX"])
+    if "proxy" in targets and any(t in targets for t in KEY_TARGETS):
+        _key_goals(med, args, [t for t in KEY_TARGETS if t in targets])
     if "proxy" in targets and "small" in args.body and 1 in args.concurrency:
         _goals(med, args)
+
+
+def _key_goals(
+    med: dict[tuple[str, int, str, str], harness.Result],
+    args: argparse.Namespace,
+    labels: list[str],
+) -> None:
+    """Keys, quota and accounting against the same proxy without keys, same run."""
+    top = max(args.concurrency)
+    print("\ngoals (keys vs proxy without keys):")
+    for body in args.body:
+        for stream in args.stream:
+            base1, base_top = (med.get(("proxy", c, body, stream)) for c in (1, top))
+            for label in labels:
+                one, many = (med.get((label, c, body, stream)) for c in (1, top))
+                if 1 in args.concurrency and base1 is not None and one is not None:
+                    added = one.p50_ms - base1.p50_ms
+                    print(f"  {label} body={body} stream={stream}: added p50 at c1 "
+                          f"{added:+.2f} ms, CPU {one.cpu_us - base1.cpu_us:+.0f} us/req "
+                          f"(goal <= 0.3 ms): {'PASS' if added <= 0.3 else 'FAIL'}")  # fmt: skip
+                if top != 1 and base_top is not None and many is not None:
+                    ratio = many.rps / base_top.rps
+                    print(f"  {label} body={body} stream={stream}: req/s at c{top} "
+                          f"{ratio:.2f}x (goal >= 0.90x): "
+                          f"{'PASS' if ratio >= 0.9 else 'FAIL'}")  # fmt: skip
+
+
+def _drop_redis_keys(prefix: str) -> None:
+    """The bench's quota and usage keys on the shared Redis (never anyone else's)."""
+    try:
+        from redis import Redis
+
+        client = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=5)
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+    except Exception as exc:  # a benchmark's cleanup must not hide its table
+        print(f"(could not remove the bench's Redis keys {prefix}*: {type(exc).__name__})")
 
 
 def _goals(med: dict[tuple[str, int, str, str], harness.Result], args: argparse.Namespace) -> None:

@@ -59,6 +59,12 @@ def _chunk(data: bytes) -> bytes:
 _SSE_CHUNKS = [_chunk(_sse_event(i)) for i in range(SSE_EVENTS)] + [
     _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 ]
+# With stream_options.include_usage, OpenAI sends one more event: no choices, only usage.
+_SSE_USAGE_CHUNK = _chunk(
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"gpt-4o-mini","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":9,'
+    b'"total_tokens":21}}\n\n'
+)
 _SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
@@ -109,8 +115,11 @@ class UpstreamProtocol(asyncio.Protocol):
         self.body = []
         if b'"stream": true' in body or b'"stream":true' in body:
             transport.write(_SSE_HEAD)
-            for chunk in _SSE_CHUNKS:
+            for chunk in _SSE_CHUNKS[:-1]:
                 transport.write(chunk)
+            if b'"include_usage":true' in body or b'"include_usage": true' in body:
+                transport.write(_SSE_USAGE_CHUNK)
+            transport.write(_SSE_CHUNKS[-1])
         else:
             transport.write(_COMPLETION_RESPONSE)
 

@@ -21,7 +21,31 @@ class Windows:
     month_reset_s: float
 
 
+_memo: tuple[int, Windows] | None = None
+
+
 def windows_at(now: float) -> Windows:
+    """Windows at `now`; the calendar part is computed once per second (hot path)."""
+    global _memo
+    second = int(now)
+    memo = _memo
+    if memo is None or memo[0] != second:
+        memo = _memo = (second, _windows_at(float(second)))
+    base = memo[1]
+    if now == second:
+        return base
+    frac = now - second
+    return Windows(
+        base.minute,
+        base.day,
+        base.month,
+        base.minute_reset_s - frac,
+        base.day_reset_s - frac,
+        base.month_reset_s - frac,
+    )
+
+
+def _windows_at(now: float) -> Windows:
     t = time.gmtime(now)
     day_start = calendar.timegm((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0))
     next_month = (t.tm_year + (t.tm_mon == 12), t.tm_mon % 12 + 1)

@@ -4,21 +4,24 @@ The upstream's own `usage` is the truth: prompt tokens as forwarded, cached prom
 (`prompt_tokens_details.cached_tokens`) and completion tokens are taken from the reply
 (`tap.py` reads them from the relayed bytes, streams included). When a reply carries none,
 our own counts stand in and the row counts the request as estimated. Recording happens off
-the hot path, in a task started when the reply's last byte has been relayed.
+the hot path: counts are summed in memory per key, model and day and written in one batch
+every `FLUSH_S` (so a spend cap sees spend up to that much later), and at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
 
 from proxy import jsonbytes
 from proxy.quota.ledger import MICRO, Ledger, LedgerUnavailable
+from proxy.quota.windows import day_of
 from proxy.report import Outcome
 from proxy.settings import Settings
 from proxy.store.protocol import RateLimitedLog
@@ -28,6 +31,9 @@ from proxy.usage.tap import ReportedUsage, StreamTap, usage_of_body
 log = logging.getLogger("proxy.usage")
 
 COST_HEADER = "x-compaction-cost-usd"
+FLUSH_S = 0.5
+# Model names come from clients: kept bounded where they become stored keys.
+_MODEL_CHARS = 100
 
 
 class Meter:
@@ -47,7 +53,11 @@ class Meter:
         self.request_stream_usage = settings.quota.request_stream_usage
         self.summarizer_model = settings.compaction.summarizer.model
         self.errors = 0
-        self._pending: set[asyncio.Task[None]] = set()
+        self.flush_s = FLUSH_S
+        # (key id, model, day) -> (a timestamp in that day, summed counts)
+        self._batch: dict[tuple[str, str, str], tuple[float, dict[str, int]]] = {}
+        self._flusher: asyncio.Task[None] | None = None  # sleeping until the next flush
+        self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
 
     def with_stream_usage(
@@ -84,27 +94,54 @@ class Meter:
         return round(usd * MICRO), price is not None
 
     def record(self, key_id: str, model: str, counts: dict[str, int]) -> None:
-        self._spawn(self._record(key_id, model, counts, self.clock()))
+        """Add one reply's counts to the batch; the flusher writes it within `flush_s`."""
+        now = self.clock()
+        entry = (key_id, model[:_MODEL_CHARS], day_of(now))
+        found = self._batch.get(entry)
+        if found is None:
+            self._batch[entry] = (now, dict(counts))
+        else:
+            summed = found[1]
+            for name, value in counts.items():
+                summed[name] = summed.get(name, 0) + value
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
-    async def _record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None:
+    async def _flush_later(self) -> None:
         try:
-            await self.ledger.record(key_id, model, counts, now)
-        except LedgerUnavailable as exc:
-            self.errors += 1
-            self._log.warning(
-                "usage: %s ledger unavailable (%s); a request's usage was not recorded "
-                "(errors=%d)", self.ledger.name, exc, self.errors,
-            )  # fmt: skip
+            await asyncio.sleep(self.flush_s)
+        finally:
+            self._flusher = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._writing.add(task)
+            task.add_done_callback(self._writing.discard)
+        await self.flush()
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+    async def flush(self) -> None:
+        """Write the batch now (one ledger call per key, model and day)."""
+        batch, self._batch = self._batch, {}
+        for (key_id, model, _), (now, counts) in batch.items():
+            try:
+                await self.ledger.record(key_id, model, counts, now)
+            except LedgerUnavailable as exc:
+                self.errors += 1
+                self._log.warning(
+                    "usage: %s ledger unavailable (%s); usage of key %r not recorded "
+                    "(errors=%d)", self.ledger.name, exc, key_id, self.errors,
+                )  # fmt: skip
 
     async def join(self) -> None:
-        """Wait until every started recording is done (tests, shutdown)."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        """Write everything recorded so far (tests, shutdown)."""
+        flusher = self._flusher
+        if flusher is not None:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+        self._flusher = None
+        await self.flush()
+        if self._writing:
+            await asyncio.gather(*list(self._writing), return_exceptions=True)
 
 
 class ChatTap:
@@ -141,9 +178,15 @@ class ChatTap:
                 self._finish(status, None, events=0)
             return
         tap = StreamTap(hide_usage_event=self.hide_usage)
+        feed = tap.feed
         try:
-            async for chunk in tap.relay(chunks):
-                yield chunk
+            async for chunk in chunks:
+                out = feed(chunk)
+                if out:
+                    yield out
+            rest = tap.end()
+            if rest:
+                yield rest
         finally:
             self._finish(status, tap.usage, events=tap.events)
 

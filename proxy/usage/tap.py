@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
-_USAGE_MARKERS = (b'"usage":{', b'"usage": {')
 # An event longer than this is passed on without being held back or read.
 _MAX_EVENT_BYTES = 1024 * 1024
 _MAX_DECODED_BYTES = 8 * 1024 * 1024
@@ -64,7 +63,7 @@ def usage_of_body(body: bytes, content_encoding: str = "") -> ReportedUsage | No
 
 
 def _has_usage(data: bytes) -> bool:
-    return any(marker in data for marker in _USAGE_MARKERS)
+    return b'"usage":{' in data or b'"usage": {' in data
 
 
 def _event_payload(event: bytes) -> Any:
@@ -77,44 +76,48 @@ def _event_payload(event: bytes) -> Any:
 
 
 class StreamTap:
-    """Wraps a relayed SSE body; after it ends, `usage` holds what the upstream reported."""
+    """Fed a relayed SSE body chunk by chunk; afterwards `usage` holds what the upstream
+    reported. Plain methods, no generator of its own: the relay loop calls `feed` per chunk."""
 
     def __init__(self, *, hide_usage_event: bool) -> None:
         self.hide = hide_usage_event
         self.usage: ReportedUsage | None = None
         self.events = 0  # events seen (a fallback estimate of completion tokens)
-        self._tail = b""  # the incomplete last event, when reading
+        self._held = b""  # the incomplete last event
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to send the client now for this chunk (b"" while an event is held)."""
+        self.events += chunk.count(b"data:")
+        data = self._held + chunk if self._held else chunk
+        end = len(data) if data.endswith(b"\n\n") else _last_boundary(data)
+        if end < len(data) and len(data) - end <= _MAX_EVENT_BYTES:
+            complete, self._held = data[:end], data[end:]
+        else:
+            complete, self._held = data, b""
+        if not self.hide:
+            # Read-only: the chunk goes out as it came; the usage event is read from a copy.
+            if complete and _has_usage(complete):
+                for start, stop in _spans(complete):
+                    self._take(complete[start:stop])
+            return chunk
+        if complete and _has_usage(complete):
+            return self._without_usage_event(complete)
+        return complete
+
+    def end(self) -> bytes:
+        """What is still held when the stream ends (an event without its terminator)."""
+        held, self._held = self._held, b""
+        return held if self.hide else b""
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        held = b""
+        """`feed` over an async iterator (for callers without a relay loop of their own)."""
         async for chunk in chunks:
-            self.events += chunk.count(b"data:")
-            if not self.hide:
-                yield chunk
-                self._read(chunk)
-                continue
-            data = held + chunk if held else chunk
-            end = _last_boundary(data)
-            if end < len(data) and len(data) - end <= _MAX_EVENT_BYTES:
-                data, held = data[:end], data[end:]
-            else:
-                held = b""
-            if data:
-                out = self._without_usage_event(data) if _has_usage(data) else data
-                if out:
-                    yield out
-        if held:
-            yield held
-
-    def _read(self, chunk: bytes) -> None:
-        """Read-only mode: find the usage event in a copy of the bytes."""
-        data = self._tail + chunk if self._tail else chunk
-        end = _last_boundary(data)
-        complete, tail = data[:end], data[end:]
-        self._tail = tail if len(tail) <= _MAX_EVENT_BYTES else b""
-        if complete and _has_usage(complete):
-            for start, stop in _spans(complete):
-                self._take(complete[start:stop])
+            out = self.feed(chunk)
+            if out:
+                yield out
+        rest = self.end()
+        if rest:
+            yield rest
 
     def _take(self, event: bytes) -> bool:
         """Record usage from an event; True if it is the usage-only event."""
