@@ -83,14 +83,14 @@ def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iter
 
 
 @contextmanager
-def upstream(kind: str = "fast") -> Iterator[int]:
+def upstream(kind: str = "fast", extra: Sequence[str] = ()) -> Iterator[int]:
     """The upstream, pinned next to the load generator (not next to the server).
 
     kind "fast": bench/upstream.py (HTTP/1.1); "hypercorn": the same answers over HTTP/1.1
     and h2c from hypercorn (slower; only to compare HTTP/2 with HTTP/1.1 on one upstream).
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "bench.upstream", "--port", str(port)]
+    cmd = [sys.executable, "-m", "bench.upstream", "--port", str(port), *extra]
     if kind == "hypercorn":
         bind = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "hypercorn", "bench.upstream:asgi_app", "--bind", bind]

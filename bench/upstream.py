@@ -6,6 +6,9 @@ to measure, so the "direct" row is the ceiling of this machine, not of a framewo
 Any POST answers a chat completion; a body containing `"stream": true` (or `"stream":true`)
 gets an SSE stream of `SSE_EVENTS` chunks plus `data: [DONE]`, written one event per write.
 GET answers a small model list. Run: python -m bench.upstream --port 9000
+
+`--pace-ms N --events M`: streams send M events N ms apart (a model generating tokens), for
+bench/load.py; non-streaming answers stay immediate (so the proxy's summarizer calls are too).
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ _MODELS_RESPONSE = _json_response(_MODELS)
 
 
 class UpstreamProtocol(asyncio.Protocol):
+    pace_s = 0.0  # > 0: streams are paced (set by main)
+    events = SSE_EVENTS
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -113,7 +119,9 @@ class UpstreamProtocol(asyncio.Protocol):
             return
         body = b"".join(self.body)
         self.body = []
-        if b'"stream": true' in body or b'"stream":true' in body:
+        if (b'"stream": true' in body or b'"stream":true' in body) and self.pace_s > 0:
+            self.paced(transport)
+        elif b'"stream": true' in body or b'"stream":true' in body:
             transport.write(_SSE_HEAD)
             for chunk in _SSE_CHUNKS[:-1]:
                 transport.write(chunk)
@@ -122,6 +130,21 @@ class UpstreamProtocol(asyncio.Protocol):
             transport.write(_SSE_CHUNKS[-1])
         else:
             transport.write(_COMPLETION_RESPONSE)
+
+    def paced(self, transport: asyncio.Transport) -> None:
+        """One event now, then one every `pace_s`, then [DONE]; timers, not a task per stream."""
+        loop = asyncio.get_running_loop()
+        transport.write(_SSE_HEAD + _chunk(_sse_event(0)))
+        start = loop.time()
+        for i in range(1, self.events + 1):
+            last = i == self.events
+            data = _SSE_CHUNKS[-1] if last else _chunk(_sse_event(i))
+            loop.call_at(start + i * self.pace_s, _write_open, transport, data)
+
+
+def _write_open(transport: asyncio.Transport, data: bytes) -> None:
+    if not transport.is_closing():
+        transport.write(data)
 
 
 async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -157,7 +180,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--pace-ms", type=float, default=0.0)
+    parser.add_argument("--events", type=int, default=SSE_EVENTS)
     args = parser.parse_args()
+    UpstreamProtocol.pace_s = args.pace_ms / 1000
+    UpstreamProtocol.events = args.events
     import uvloop
 
     uvloop.run(serve(args.host, args.port))

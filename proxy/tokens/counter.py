@@ -107,6 +107,7 @@ class TokenCounter:
         self._load_lock = threading.Lock()
         self._memo = Memo(self._config.memo_max_entries)
         self._profiles: dict[str, _Profile] = {}  # plain dict: atomic get/set across threads
+        self._text_counters: dict[str, Callable[[str], int]] = {}  # by profile key
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self.encode_calls = 0  # tiktoken calls made; tests and stats read it
@@ -121,6 +122,7 @@ class TokenCounter:
     def load(self) -> None:
         with self._load_lock:
             self._profiles.clear()
+            self._text_counters.clear()
             failures = [exc for name in SPECS if (exc := self._load_locked(name)) is not None]
         if failures and self._config.on_missing == "fail":
             raise TokenizerUnavailable(self._fix_message(failures))
@@ -212,6 +214,14 @@ class TokenCounter:
 
     def _text_counter(self, profile: _Profile, limit: int = 0) -> Callable[[str], int]:
         """Counts one text; with `limit`, raises TooManyTokens once a text alone passes it."""
+        if limit:
+            return self._new_text_counter(profile, limit)
+        count = self._text_counters.get(profile.key)  # count_text runs once per summarized text
+        if count is None:
+            count = self._text_counters[profile.key] = self._new_text_counter(profile, 0)
+        return count
+
+    def _new_text_counter(self, profile: _Profile, limit: int) -> Callable[[str], int]:
         encoder = profile.encoder
         if encoder is None:
             return estimate_tokens
@@ -264,7 +274,7 @@ class TokenCounter:
         cached = None if key is None else self._memo.get(key)
         if cached is not None:
             return cached
-        return self._compute_message(profile, message, key)
+        return self._compute_message(profile, message, key, self._text_counter(profile))
 
     def count_messages(self, model: str, messages: list[Any]) -> int:
         return self._count_messages(self._profile(model), messages)
@@ -294,7 +304,7 @@ class TokenCounter:
         limit = self._config.max_request_tokens
         total, misses, whole = self._lookup(profile, body.get("messages"))
         _checked(total, limit)
-        if pool is None or sum(_chars(m) for m, _ in misses) < self._config.offload_chars:
+        if pool is None or sum(_chars(m) for m in misses.messages) < self._config.offload_chars:
             total = self._compute_batch(profile, misses, total, limit)
         else:  # one job per request: splitting it makes the threads fight over the GIL
             job = self._compute_batch
@@ -319,9 +329,7 @@ class TokenCounter:
         digest = content_key(message)
         return None if digest is None else digest ^ profile.salt
 
-    def _lookup(
-        self, profile: _Profile, messages: object
-    ) -> tuple[int, list[tuple[Any, int | None]], int | None]:
+    def _lookup(self, profile: _Profile, messages: object) -> tuple[int, _Misses, int | None]:
         """Reply priming plus the memoized counts, the messages still to count (with keys),
         and the key under which to remember this list's sum (None: uncacheable)."""
         items = _as_list(messages)
@@ -337,13 +345,14 @@ class TokenCounter:
                 if known is not None:
                     total, start = total + known, len(keys) - drop
                     break
-        misses: list[tuple[Any, int | None]] = []
+        misses = _Misses([], [])
         tail_keys = keys[start:]
         for message, key, cached in zip(
             items[start:], tail_keys, self._memo.get_many(tail_keys), strict=True
         ):
             if cached is None:
-                misses.append((message, key))
+                misses.messages.append(message)
+                misses.keys.append(key)
             else:
                 total += cached
         whole = None if None in keys else hash(tuple(keys)) ^ _PREFIX_SALT
@@ -360,20 +369,19 @@ class TokenCounter:
             self._memo.put(whole, total - chat.REPLY_PRIMING)
         return total
 
-    def _compute_batch(
-        self, profile: _Profile, batch: list[tuple[Any, int | None]], total: int, limit: int = 0
-    ) -> int:
+    def _compute_batch(self, profile: _Profile, batch: _Misses, total: int, limit: int = 0) -> int:
         """`total` plus the counts of `batch`; with `limit`, stops once the sum passes it."""
-        for message, key in batch:
-            total += self._compute_message(profile, message, key, limit)
+        text = self._text_counter(profile, limit)
+        for message, key in zip(batch.messages, batch.keys, strict=True):
+            total += self._compute_message(profile, message, key, text)
             _checked(total, limit)
         return total
 
     def _compute_message(
-        self, profile: _Profile, message: object, key: int | None, limit: int = 0
+        self, profile: _Profile, message: object, key: int | None, text: chat.TextCount
     ) -> int:
         try:
-            count = chat.message_tokens(message, self._text_counter(profile, limit), profile.media)
+            count = chat.message_tokens(message, text, profile.media)
         except TooManyTokens:
             raise
         except Exception:  # a formula bug must not fail the request; the log shows it
@@ -402,6 +410,16 @@ class TokenCounter:
         if key is not None:
             self._memo.put(key, count)
         return count
+
+
+@dataclass
+class _Misses:
+    """Messages the memo did not know, with their keys: two lists, not a million pairs (each
+    pair would be one more object for the cyclic GC to scan, and a full scan stops every
+    thread)."""
+
+    messages: list[Any]
+    keys: list[int | None]
 
 
 def _checked(total: int, limit: int) -> int:

@@ -210,3 +210,29 @@ async def test_after_close_counting_still_works(make_counter: CounterFactory) ->
     counter.close()
     counter.close()
     assert await counter.acount_request(fresh(body)) == expected
+
+
+def test_a_big_lookup_lets_go_of_the_lock_between_slices() -> None:
+    """A worker thread looking up a huge request must not hold the lock the event loop's
+    own lookups need for the whole list."""
+    from proxy.tokens.memo import Memo
+
+    class CountingLock:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+            self.acquired = 0
+
+        def __enter__(self) -> None:
+            self.lock.acquire()
+            self.acquired += 1
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    memo = Memo(100)
+    lock = CountingLock()
+    memo._lock = lock  # type: ignore[assignment]
+    memo.put(7, 1)
+    found = memo.get_many([7, None, *range(100, 5100)])
+    assert found[:2] == [1, None] and len(found) == 5002
+    assert lock.acquired >= 1 + 5002 // 1024  # one for put, then many short holds
