@@ -1,4 +1,4 @@
-"""Issue 5 benchmark: a 200-turn tool-using agent session through the proxy, three ways.
+"""Agent sessions through the proxy: per strategy and kept tail, and with each store.
 
     TIKTOKEN_CACHE_DIR=/work/shared/tiktoken-cache PYTHONPATH=. python -m bench.agent_session
 
@@ -9,10 +9,15 @@ budget 20k tokens. The upstream is a respx mock: forwarded calls get a short rep
 calls get a 600-1200 token summary derived deterministically from their input, and report
 `usage.prompt_tokens` = the o200k_base count of that input, so summarizer tokens are real.
 
-Modes: no store (cache.backend "none": every over-budget turn re-summarizes), memory store,
-redis store (random key prefix, deleted afterwards). Goals from issue 5: summarizer input
-tokens <= 10% of no-store, and >= 90% of over-budget turns served by `reused`.
-Not a test: it prints a table and PASS/FAIL lines, and exits 1 if a goal fails.
+First table: per `compaction.strategy` x `keep_recent_ratio` (memory store) and "no proxy":
+over-budget turns, task kept, summarizer calls and tokens, forwarded tokens min / median /
+max, prefix stability and the dollar cost with prompt caching (see bench/README.md).
+`--shape coding|service` replays tests/replay.py's sessions instead.
+
+Second table: no store (cache.backend "none": every over-budget turn re-summarizes), memory
+store, redis store (random key prefix, deleted afterwards). Goals: summarizer input tokens
+<= 10% of no-store, and >= 90% of over-budget turns served by `reused`.
+Not a test: it prints tables and PASS/FAIL lines, and exits 1 if a goal fails.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ Message = dict[str, Any]
 UPSTREAM = "http://upstream.bench/v1"
 MODEL = "gpt-4o-mini"
 BUDGET = 20_000
+SUMMARY_TOKENS = (600, 1200)  # the mock summarizer's reply length, tokens
 TURNS = 200
 SEED = 5
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -248,7 +254,8 @@ def mock_summary(summarizer_input: str) -> str:
     """600..1200 tokens, a pure function of the summarizer's input (like a greedy model)."""
     digest = hashlib.blake2b(summarizer_input.encode(), digest_size=16).digest()
     rng = random.Random(digest)
-    target = 600 + int.from_bytes(digest[:4], "big") % 601
+    low, high = SUMMARY_TOKENS
+    target = low + int.from_bytes(digest[:4], "big") % (high - low + 1)
     sections = ("current_focus", "environment", "completed_tasks", "active_issues", "code_state")
     parts: list[str] = []
     used = 0
@@ -396,19 +403,21 @@ def summary_prefix(messages: list[Message]) -> bytes | None:
     return None
 
 
-def settings_for(backend: str, key_prefix: str) -> Settings:
+def settings_for(backend: str, key_prefix: str, **compaction: Any) -> Settings:
     return Settings.model_validate(
         {
             "upstream": {"base_url": UPSTREAM},
-            "compaction": {"budget_tokens": BUDGET},
+            "compaction": {"budget_tokens": BUDGET, **compaction},
             "cache": {"backend": backend, "redis_url": REDIS_URL, "key_prefix": key_prefix},
         }
     )
 
 
-async def run_mode(mode: str, backend: str, sessions: Sequence[list[Message]]) -> Run:
+async def run_mode(
+    mode: str, backend: str, sessions: Sequence[list[Message]], **compaction: Any
+) -> Run:
     key_prefix = f"bench-agent-{secrets.token_hex(6)}:"
-    app = create_app(settings_for(backend, key_prefix))
+    app = create_app(settings_for(backend, key_prefix, **compaction))
     mock = MockUpstream()
     turns: list[Turn] = []
     started = time.perf_counter()
@@ -574,14 +583,136 @@ def goals(runs: list[Run]) -> list[tuple[bool, str]]:
     return results
 
 
+# -- strategies x kept tail, and what it costs ----------------------------------------------
+
+# gpt-4o-mini list prices, USD per 1M tokens; cached input is half price, for a prefix
+# repeated from the previous request of >= 1,024 tokens, counted in steps of 128.
+PRICE_INPUT, PRICE_CACHED, PRICE_OUTPUT = 0.15, 0.075, 0.60
+CACHE_MIN, CACHE_STEP = 1024, 128
+_TOKENS: dict[str, int] = {}
+
+
+def message_tokens(message: Message) -> int:
+    key = json.dumps(message, sort_keys=True)
+    cached = _TOKENS.get(key)
+    if cached is None:
+        cached = _TOKENS[key] = chat_tokens([message]) - 3
+    return cached
+
+
+def cached_prefix(previous: list[Message] | None, current: list[Message]) -> int:
+    """Tokens of `current` the provider would bill as cached after `previous`."""
+    if previous is None:
+        return 0
+    tokens = 3
+    for a, b in zip(previous, current, strict=False):
+        if a != b:
+            break
+        tokens += message_tokens(a)
+    if tokens < CACHE_MIN:
+        return 0
+    return CACHE_MIN + (tokens - CACHE_MIN) // CACHE_STEP * CACHE_STEP
+
+
+def dollars(sent: Sequence[list[Message]], summary_input: int, summary_output: int) -> float:
+    total = 0.0
+    previous: list[Message] | None = None
+    for messages in sent:
+        tokens = chat_tokens(messages) if len(messages) < 8 else sum(map(message_tokens, messages))
+        cached = min(cached_prefix(previous, messages), tokens)
+        total += (tokens - cached) * PRICE_INPUT + cached * PRICE_CACHED
+        previous = messages
+    total += summary_input * PRICE_INPUT + summary_output * PRICE_OUTPUT
+    return total / 1_000_000
+
+
+def sawtooth(run: Run) -> str:
+    values = sorted(t.tokens_after for t in run.over)
+    if not values:
+        return "-"
+    return f"{values[0]:,} / {values[len(values) // 2]:,} / {values[-1]:,}"
+
+
+def strategy_table(runs: list[Run], sessions: Sequence[list[Message]]) -> str:
+    baseline = dollars(sessions, 0, 0)
+    header = ["", *(r.mode for r in runs), "no proxy"]
+    rows: list[list[str]] = [header]
+
+    def row(label: str, cell: Callable[[Run], str], base: str = "") -> None:
+        rows.append([label, *(cell(r) for r in runs), base])
+
+    row(
+        "over-budget turns",
+        lambda r: f"{sum(t.tokens_after > BUDGET for t in r.over)} / {len(r.over)}",
+        f"{sum(chat_tokens(m) > BUDGET for m in sessions)}",
+    )
+    def task_kept(r: Run) -> str:
+        over = [i for i, t in enumerate(r.turns) if t.status != "passthrough"]
+        kept = sum(sessions[i][1] in r.forwarded[i] for i in over)
+        return f"{kept} / {len(over)}"
+
+    row("task verbatim / over-budget turns", task_kept)
+    row("summarizer calls", lambda r: f"{r.summary_calls:,}", "0")
+    row("summarizer input tokens", lambda r: f"{r.summary_input:,}", "0")
+    row("forwarded min / median / max", sawtooth)
+    row("forwarded tokens, all turns", lambda r: f"{r.forwarded_tokens:,}")
+
+    def stability(r: Run) -> str:
+        stable, pairs = r.prefix_stability()
+        return f"{stable / pairs:.1%}" if pairs else "-"
+
+    row("prefix-stable pairs", stability, "100%")
+    costs = {r.mode: dollars(r.forwarded, r.summary_input, r.summary_output) for r in runs}
+    row("est. cost, USD", lambda r: f"{costs[r.mode]:.3f}", f"{baseline:.3f}")
+    row("  vs no proxy", lambda r: f"{costs[r.mode] / baseline:.2f}x", "1.00x")
+    widths = [max(len(line[i]) for line in rows) for i in range(len(header))]
+    lines = []
+    for index, line in enumerate(rows):
+        pairs = zip(line[1:], widths[1:], strict=True)
+        cells = [line[0].ljust(widths[0]), *(c.rjust(w) for c, w in pairs)]
+        lines.append(" | ".join(cells))
+        if index == 0:
+            lines.append("-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 async def main(argv: list[str] | None = None) -> int:
+    global BUDGET, SUMMARY_TOKENS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--no-redis", action="store_true", help="skip the redis mode")
+    parser.add_argument(
+        "--ratios",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.5],
+        help="compaction.keep_recent_ratio values compared for each strategy",
+    )
+    parser.add_argument("--strategies", nargs="+", default=["simple", "structured"])
+    parser.add_argument(
+        "--shape",
+        choices=["agent", "coding", "service"],
+        default="agent",
+        help="agent: this file's session; coding / service: tests/replay.py's coding agent "
+        "(160 calls, huge outputs, an injected complaint) or customer-service chat",
+    )
+    parser.add_argument("--budget", type=int, default=20_000)
+    parser.add_argument(
+        "--summary-tokens", type=int, nargs=2, default=list(SUMMARY_TOKENS), metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--only-strategies", action="store_true", help="skip the store table")
     args = parser.parse_args(argv)
 
-    sessions = agent_session(args.turns, args.seed)
+    BUDGET = args.budget
+    SUMMARY_TOKENS = (args.summary_tokens[0], args.summary_tokens[1])
+    if args.shape == "agent":
+        sessions = agent_session(args.turns, args.seed)
+    else:
+        from tests import replay
+
+        shaped = replay.coding_agent() if args.shape == "coding" else replay.customer_service()
+        sessions = shaped.turns
     last = sessions[-1]
     outputs = [count(m["content"]) for m in last if m["role"] == "tool"]
     print(
@@ -590,6 +721,22 @@ async def main(argv: list[str] | None = None) -> int:
         f"{min(outputs)}..{max(outputs)} tokens (mean {sum(outputs) / len(outputs):.0f}), "
         f"final history ~{chat_tokens(last):,} tokens; budget {BUDGET:,}, model {MODEL}"
     )
+    compared = []
+    for strategy in args.strategies:
+        for ratio in args.ratios:
+            mode = f"{strategy} r={ratio:g}"
+            compared.append(
+                await run_mode(
+                    mode, "memory", sessions, strategy=strategy, keep_recent_ratio=ratio
+                )
+            )
+    print()
+    print("memory store, per strategy and compaction.keep_recent_ratio (r=0: the reference's")
+    print("2-message tail); forwarded tokens over the turns that were over budget:")
+    print()
+    print(strategy_table(compared, sessions))
+    if args.only_strategies:
+        return 0
     modes = [("no store", "none"), ("memory", "memory")]
     if args.no_redis:
         print("redis: skipped (--no-redis)")
@@ -604,9 +751,8 @@ async def main(argv: list[str] | None = None) -> int:
     print(table(runs))
     print()
     print(
-        "note: the mock summarizer is a pure function of its input, and between two user\n"
-        "messages the cut does not move, so no-store re-summarizes the same span into the same\n"
-        "text; with a sampling LLM its prefix-stable share would be ~0."
+        "note: the mock summarizer is a pure function of its input; no-store pays every turn\n"
+        "for a span one turn longer, so its summaries (and prefixes) mostly differ."
     )
     print()
     results = goals(runs)

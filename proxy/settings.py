@@ -152,7 +152,7 @@ class CompactionSettings(Section):
     max_preserved_messages: int = Field(2, ge=0)
     # Share of the budget kept as recent messages verbatim after a compaction (at least
     # max_preserved_messages of them); 0: only the max_preserved_messages (the reference).
-    keep_recent_ratio: float = Field(0.5, ge=0, lt=1)
+    keep_recent_ratio: float = Field(0.3, ge=0, lt=1)
     keep_last_user_message: bool = True
     # The first user message (the task) stays verbatim after the pinned messages...
     protect_task: bool = True

@@ -60,7 +60,8 @@ def fake(upstream: respx.MockRouter) -> FakeUpstream:
 
 async def open_client(**compaction: Any) -> httpx.AsyncClient:
     cache = compaction.pop("cache", {"backend": "memory"})
-    settings = make_settings(compaction={"budget_tokens": 2000, **compaction}, cache=cache)
+    compaction = {"budget_tokens": 2000, "keep_recent_ratio": 0.5, **compaction}
+    settings = make_settings(compaction=compaction, cache=cache)
     return httpx.AsyncClient(
         transport=httpx.ASGITransport(app=create_app(settings)), base_url="http://p"
     )
