@@ -38,8 +38,12 @@ SUMMARY = {
     "choices": [{"message": {"role": "assistant", "content": "SUMMARY: earlier talk."}}],
     "usage": {"prompt_tokens": 50, "completion_tokens": 5},
 }
-# Reply headers that are valid HTTP (obs-text) but not latin-1 text: UTF-8, and a lone byte.
-ODD_HEADERS = [(b"x-note", "Café ☕ naïve".encode()), (b"x-latin", b"caf\xe9")]
+# Reply headers that are valid HTTP (obs-text) but not latin-1 text: UTF-8 (the whole set
+# decodes as UTF-8, which is what httpx then does), or a lone latin-1 byte.
+ODD_HEADERS = {
+    "utf8-headers": [(b"x-note", "Café ☕ naïve".encode()), (b"x-title", "Équipe".encode())],
+    "latin1-headers": [(b"x-latin", b"caf\xe9")],
+}
 
 
 @dataclass
@@ -155,8 +159,8 @@ class FaultUpstream:
         elif fault == "summary":
             body = json.dumps(SUMMARY).encode()
             writer.write(_reply(200, [(b"content-type", b"application/json")], body))
-        elif fault == "odd-headers":
-            headers = [(b"content-type", b"application/json"), *ODD_HEADERS]
+        elif fault in ODD_HEADERS:
+            headers = [(b"content-type", b"application/json"), *ODD_HEADERS[fault]]
             writer.write(_reply(200, headers, REPLY_BYTES))
         elif fault == "rate-limited":
             body = json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}).encode()
