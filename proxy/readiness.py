@@ -140,9 +140,10 @@ def readiness_for(
         "tokenizer": tokenizer_probe(estimated),
     }
     if settings.cache.backend == "redis" and hasattr(store, "ping"):
-        from proxy.store.redis import redact_url  # the redis extra is installed: store is one
+        from proxy.store.connect import first_url  # the redis extra is installed: store is one
+        from proxy.store.redis import redact_url
 
-        probes["redis"] = redis_probe(store, redact_url(settings.cache.redis_url))
+        probes["redis"] = redis_probe(store, redact_url(first_url(settings.cache.redis_url)))
     return Readiness(probes, cache_s=settings.server.readiness_cache_s, timeout_s=_PROBE_TIMEOUT_S)
 
 

@@ -190,7 +190,8 @@ class CacheSettings(Section):
     # Requests without a credential: "none" keeps their summaries out of the store (a shared
     # scope would let one key-less client learn what another sent); "shared" pools them.
     anonymous: Literal["none", "shared"] = "none"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    # A redis:// URL, a redis+cluster:// URL, or a list of cluster nodes (host:port or URLs).
+    redis_url: str | list[str] = "redis://127.0.0.1:6379/0"
     key_prefix: str = "compaction-proxy:"
     ttl_s: int = Field(7 * 24 * 3600, gt=0)
     max_bytes: int = Field(64 * 1024 * 1024, gt=0)

@@ -29,8 +29,8 @@ def create_ledger(settings: Settings) -> Ledger:
     if backend == "memory":
         return MemoryLedger(quota.usage_retention_days)
     try:
-        from proxy.quota.connect import connect
         from proxy.quota.redis import RedisLedger
+        from proxy.store.connect import connect
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] != "redis":
             raise

@@ -18,9 +18,9 @@ from typing import Any, TypeVar, cast
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from proxy.quota.connect import RedisClient
 from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
 from proxy.quota.windows import windows_at
+from proxy.store.connect import RedisClient
 
 T = TypeVar("T")
 
@@ -150,7 +150,6 @@ class RedisLedger:
         return await future
 
     async def _send_charges(self) -> None:
-        await asyncio.sleep(0)  # let the other requests of this loop iteration queue up
         queue, self._queue = self._queue, []
         try:
             results = await self._pipeline_charges(queue)
@@ -174,6 +173,9 @@ class RedisLedger:
     async def _pipeline_charges(
         self, queue: list[tuple[list[str], list[int], asyncio.Future[list[Any]]]]
     ) -> list[list[Any]]:
+        if len(queue) == 1:  # alone: a plain EVALSHA is cheaper than a pipeline of one
+            keys, args, _ = queue[0]
+            return [cast(list[Any], await self._charge(keys=keys, args=args))]
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for keys, args, _ in queue:

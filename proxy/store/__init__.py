@@ -51,4 +51,10 @@ def create_store(settings: CacheSettings) -> SummaryStore:
         raise ConfigError(
             "cache.backend = 'redis' needs the redis package: pip install 'compaction-proxy[redis]'"
         ) from None
-    return RedisStore(settings.redis_url, settings.key_prefix, settings.ttl_s, settings.lock_ttl_s)
+    from proxy.store.connect import connect, first_url, is_cluster
+
+    url = settings.redis_url
+    client = connect(url, socket_timeout_s=0.5) if is_cluster(url) else None
+    return RedisStore(
+        first_url(url), settings.key_prefix, settings.ttl_s, settings.lock_ttl_s, client=client
+    )

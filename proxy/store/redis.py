@@ -16,6 +16,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -70,7 +71,7 @@ class RedisStore:
         connect_timeout_s: float = 0.5,
         retry_after_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
-        client: Redis | None = None,
+        client: Redis | RedisCluster | None = None,
     ) -> None:
         self.available = True
         self.errors = 0
@@ -93,6 +94,8 @@ class RedisStore:
                 retry=Retry(NoBackoff(), 1, (RedisConnectionError,)),
             )
         self._client = client
+        # A cluster spreads prefix keys over slots: one MGET per node instead of one in all.
+        self._cluster = isinstance(client, RedisCluster)
         self._release = client.register_script(_RELEASE_LUA)
 
     def summary_key(self, key: str) -> str:
@@ -137,7 +140,10 @@ class RedisStore:
             return []
 
         async def call() -> list[bytes | str | None]:
-            return await self._client.mget([self.summary_key(k) for k in probed])
+            names = [self.summary_key(k) for k in probed]
+            if isinstance(self._client, RedisCluster):
+                return await self._client.mget_nonatomic(names)
+            return await self._client.mget(names)
 
         empty: list[bytes | str | None] = []
         raws = await self._guarded("mget", call, empty)

@@ -115,9 +115,9 @@ def _from_proxy(
 async def _from_redis(
     settings: Settings, since: str, until: str, key: str | None
 ) -> list[dict[str, Any]]:
-    from proxy.quota.connect import connect
     from proxy.quota.ledger import LedgerUnavailable
     from proxy.quota.redis import RedisLedger
+    from proxy.store.connect import connect
 
     quota = settings.quota
     url = quota.redis_url if quota.redis_url is not None else settings.cache.redis_url

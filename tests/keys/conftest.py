@@ -88,6 +88,7 @@ async def make_app() -> AsyncIterator[Any]:
         await item.client.aclose()
         await item.state.upstream.client.aclose()
         await item.state.quotas.ledger.close()
+        await item.state.compactor.store.close()
 
 
 @pytest.fixture

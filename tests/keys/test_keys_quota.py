@@ -273,3 +273,27 @@ async def test_passthrough_routes_count_requests_too(
     assert (await app.client.get("/v1/models", headers=bearer(KEY_A))).status_code == 200
     denied = await app.client.get("/v1/models", headers=bearer(KEY_A))
     assert denied.status_code == 429
+
+
+async def test_summary_store_on_the_cluster_reuses_a_summary_across_replicas(
+    make_app: Any, upstream: respx.MockRouter, redis_cluster: list[str]
+) -> None:
+    fake = FakeUpstream().install(upstream)
+    cache = {
+        "backend": "redis",
+        "redis_url": redis_cluster,
+        "key_prefix": f"test-cluster-store-{id(fake)}:",
+    }
+    settings = keyed_settings(key_entry("team-a", KEY_A), cache=cache)
+    one, two = await make_app(settings), await make_app(settings)
+    body, force = history_chat(), {"x-compaction": "force"}
+    first = await one.client.post(
+        "/v1/chat/completions", json=body, headers={**bearer(KEY_A), **force}
+    )
+    assert first.headers["x-compaction-status"] == "compacted"
+    second = await two.client.post(
+        "/v1/chat/completions", json=body, headers={**bearer(KEY_A), **force}
+    )
+    assert second.headers["x-compaction-status"] == "reused"
+    assert len(fake.summary_calls) == 1
+    assert one.state.compactor.store.errors == 0

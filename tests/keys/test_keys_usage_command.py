@@ -10,9 +10,9 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.cli import main
-from proxy.quota.connect import connect
 from proxy.quota.redis import RedisLedger
 from proxy.quota.windows import day_of
+from proxy.store.connect import connect
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

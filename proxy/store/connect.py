@@ -22,6 +22,14 @@ def is_cluster(url: str | list[str]) -> bool:
     return isinstance(url, list) or url.split("://", 1)[0].endswith("+cluster")
 
 
+def first_url(url: str | list[str]) -> str:
+    """One URL standing for the setting (for logs, after redaction)."""
+    if isinstance(url, str):
+        return url
+    first = url[0] if url else "127.0.0.1:6379"
+    return first if "://" in first else f"redis+cluster://{first}"
+
+
 def _node(text: str) -> ClusterNode:
     parts = urlsplit(text if "://" in text else f"redis://{text}")
     return ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379)
