@@ -265,7 +265,11 @@ async def fault_upstream() -> AsyncIterator[FaultUpstream]:
 async def serving(app: ASGIApp) -> AsyncIterator[int]:
     """`app` under uvicorn on 127.0.0.1 in this event loop, lifespan and all (so the proxy
     runs on its served transport); yields the port."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    # As `compaction-proxy serve` runs it: no uvicorn access line (the proxy writes its own).
+    # No log config of uvicorn's: its records reach the root logger, where tests capture them.
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, lifespan="on", access_log=False, log_config=None
+    )
     server = uvicorn.Server(config)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
