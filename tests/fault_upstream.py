@@ -325,6 +325,14 @@ async def raw_request(port: int, request: bytes, *, close_after: int | None = No
     return parse_reply(data)
 
 
+async def read_one_reply(reader: asyncio.StreamReader) -> RawReply:
+    """One reply framed by Content-Length off a connection that stays open."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    reply = parse_reply(head)
+    length = int(reply.header(b"content-length") or b"0")
+    return parse_reply(head + await reader.readexactly(length))
+
+
 def parse_reply(data: bytes) -> RawReply:
     head, sep, rest = data.partition(b"\r\n\r\n")
     if not sep:
@@ -366,13 +374,16 @@ def http_request(
     *,
     headers: list[tuple[bytes, bytes]] = (),  # type: ignore[assignment]
     body: bytes | None = None,
+    keep_alive: bool = False,
 ) -> bytes:
-    """A request as raw bytes, `target` sent exactly as given; the connection closes after."""
+    """A request as raw bytes, `target` sent exactly as given; the connection closes after
+    unless `keep_alive`."""
     lines = [method.encode() + b" " + target + b" HTTP/1.1", b"host: proxy.test"]
     lines += [k + b": " + v for k, v in headers]
     if body is not None:
         lines.append(b"content-length: %d" % len(body))
-    lines.append(b"connection: close")
+    if not keep_alive:
+        lines.append(b"connection: close")
     return b"\r\n".join(lines) + b"\r\n\r\n" + (body or b"")
 
 

@@ -18,7 +18,14 @@ import pytest
 
 from tests.conftest import until
 from tests.fault_rig import CHAT, CREDENTIALS, QUERY, SECRETS, SLOTS, TIMES, assert_no_secrets, rig
-from tests.fault_upstream import ODD_HEADERS, REPLY_BYTES, RawReply, assert_envelope, http_request
+from tests.fault_upstream import (
+    ODD_HEADERS,
+    REPLY_BYTES,
+    RawReply,
+    assert_envelope,
+    http_request,
+    read_one_reply,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -173,4 +180,22 @@ async def test_the_pool_serves_normally_after_every_fault() -> None:
         await r.settled()
         replies = await asyncio.gather(*(r.chat("ok") for _ in range(2 * SLOTS)))
         assert [reply.status for reply in replies] == [200] * 2 * SLOTS
+        await r.settled()
+
+
+async def test_the_clients_keep_alive_connection_survives_odd_reply_headers() -> None:
+    async with rig() as r:
+        reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
+        try:
+            for fault in ("utf8-headers", "latin1-headers", "ok"):
+                head = [*CREDENTIALS, (b"x-fault", fault.encode())]
+                request = http_request("GET", b"/v1/models", headers=head, keep_alive=True)
+                writer.write(request)
+                async with asyncio.timeout(10):
+                    reply = await read_one_reply(reader)
+                assert (reply.status, reply.body) == (200, REPLY_BYTES)
+                assert reply.header(b"connection") != b"close"
+        finally:
+            writer.close()
+        assert len(r.upstream.seen) == 3
         await r.settled()
