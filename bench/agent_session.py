@@ -646,6 +646,7 @@ def strategy_table(runs: list[Run], sessions: Sequence[list[Message]]) -> str:
         lambda r: f"{sum(t.tokens_after > BUDGET for t in r.over)} / {len(r.over)}",
         f"{sum(chat_tokens(m) > BUDGET for m in sessions)}",
     )
+
     def task_kept(r: Run) -> str:
         over = [i for i, t in enumerate(r.turns) if t.status != "passthrough"]
         kept = sum(sessions[i][1] in r.forwarded[i] for i in over)
@@ -726,9 +727,7 @@ async def main(argv: list[str] | None = None) -> int:
         for ratio in args.ratios:
             mode = f"{strategy} r={ratio:g}"
             compared.append(
-                await run_mode(
-                    mode, "memory", sessions, strategy=strategy, keep_recent_ratio=ratio
-                )
+                await run_mode(mode, "memory", sessions, strategy=strategy, keep_recent_ratio=ratio)
             )
     print()
     print("memory store, per strategy and compaction.keep_recent_ratio (r=0: the reference's")

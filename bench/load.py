@@ -3,23 +3,27 @@
 (1) `--streams` (1,000) concurrent streaming chat requests against a pacing upstream
     (`--events` events `--pace-ms` apart): every stream must complete. Inter-chunk gaps
     (p50/p99/max) and time to first chunk, direct to the upstream vs through the proxy.
-(2) `--bystanders` (20) clients streaming in a loop while one huge request (`--huge-messages`
-    tiny messages, 1M = ~42 MB) is sent: the bystanders' gaps while it is in flight, against
-    the same clients with no huge request. Run with the default limits (the request is
-    refused early) and with the limits raised so that it is counted and compacted (the
-    summarizer calls answer at once: what is left is the proxy's own work).
+(2) `--bystanders` (20) clients streaming in a loop (events `--bystander-pace-ms` = 10 ms
+    apart, so a stall shows) while one huge request is sent (`--huge-messages` tiny
+    messages, 1M = ~42 MB; or 40 MB of screenshots within the default limits): the
+    bystanders' gaps while it is in flight, against the same clients with no huge request.
+    1M messages run with the default limits (refused early) and with the limits raised so
+    that they are counted, or counted and compacted (the summarizer answers at once: what is
+    left is the proxy's own work).
 
 Placement as in harness.py: proxy on CPU 0, upstream and clients on CPU 1.
-Run: python -m bench.load            (both; ~2 min)    python -m bench.load --only huge
+Run: python -m bench.load  (both, ~2 min; --only streams|huge, --cases baseline screenshots ...)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import itertools
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -49,6 +53,22 @@ def huge_request(port: int, messages: int, budget: int) -> bytes:
     history = [{"role": roles[i % 2], "content": f"m{i}"} for i in range(messages)]
     body = json.dumps({"model": "gpt-4o-mini", "messages": history}).encode()
     return _request(port, body, f"x-compaction-budget: {budget}\r\n" if budget else "")
+
+
+def screenshots_request(port: int, megabytes: int) -> bytes:
+    """~`megabytes` MB of chat with a 1920x1080 PNG (400 KB of base64) in every user turn:
+    a big request inside the default limits, counted and then compacted (budget 20k)."""
+    png = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x0dIHDR" + struct.pack(">II", 1920, 1080)
+    url = "data:image/png;base64," + base64.b64encode(png + bytes(300_000)).decode()
+    history: list[dict[str, Any]] = []
+    for turn in range(megabytes * 1_000_000 // len(url)):
+        text = {"type": "text", "text": f"screenshot {turn}: what changed?"}
+        image = {"type": "image_url", "image_url": {"url": url}}
+        history.append({"role": "user", "content": [text, image]})
+        history.append({"role": "assistant", "content": f"In screenshot {turn} the menu moved."})
+    # gpt-4o: ~1,100 tokens per image (gpt-4o-mini bills 33x that: over max_request_tokens)
+    body = json.dumps({"model": "gpt-4o", "messages": history}).encode()
+    return _request(port, body, "x-compaction-budget: 20000\r\n")
 
 
 def _request(port: int, body: bytes, extra: str = "") -> bytes:
@@ -117,7 +137,10 @@ async def huge_client(
 ) -> dict[str, Any]:
     """Bystanders stream in a loop; with `messages`, one huge request goes out among them."""
     request = stream_request(port)
-    big = huge_request(port, messages, budget) if messages else b""
+    if messages < 0:  # -N: N MB of screenshots
+        big = screenshots_request(port, -messages)
+    else:
+        big = huge_request(port, messages, budget) if messages else b""
     arrivals: list[list[float]] = [[] for _ in range(bystanders)]
     stop = asyncio.Event()
     failures = 0
@@ -239,6 +262,7 @@ def huge_table(upstream_port: int, args: argparse.Namespace) -> None:
     cases = {  # name, proxy environment, messages, x-compaction-budget
         "baseline": ("none (baseline)", {}, 0, 0),
         "default": ("default limits", {}, args.huge_messages, 0),
+        "screenshots": ("40 MB of screenshots, default limits", {}, -40, 0),
         "counted": ("limits raised, counted only", RAISED_LIMITS, args.huge_messages, 10**9),
         "compacted": ("limits raised, compacted", RAISED_LIMITS, args.huge_messages, 0),
     }
@@ -258,8 +282,8 @@ def huge_table(upstream_port: int, args: argparse.Namespace) -> None:
             ms(r["gaps"], 0.99), ms(r["gaps"], 1.0), str(r["failures"]),
         ])  # fmt: skip
     print(
-        f"\n(2) {args.bystanders} bystander streams ({args.pace_ms:g} ms pacing) while one "
-        f"request of {args.huge_messages} messages is in flight"
+        f"\n(2) {args.bystanders} bystander streams ({args.bystander_pace_ms:g} ms pacing) while "
+        f"one huge request is in flight ({args.huge_messages} tiny messages, or 40 MB of images)"
     )
     header = ["huge request", "its answer", "in flight s", "gaps", "gap p50 ms", "gap p99 ms",
               "worst gap ms", "bystander errors"]  # fmt: skip
@@ -276,20 +300,23 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=10)
     parser.add_argument("--pace-ms", type=float, default=100.0)
     parser.add_argument("--bystanders", type=int, default=20)
+    parser.add_argument("--bystander-pace-ms", type=float, default=10.0)
     parser.add_argument("--huge-messages", type=int, default=1_000_000)
     parser.add_argument(
-        "--cases", nargs="+", default=["baseline", "default", "counted", "compacted"]
+        "--cases", nargs="+", default=["baseline", "default", "screenshots", "counted", "compacted"]
     )
     args = parser.parse_args()
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
         print("note: TIKTOKEN_CACHE_DIR unset; the proxy needs its BPE files", file=sys.stderr)
-    pace = ["--pace-ms", str(args.pace_ms), "--events", str(args.events)]
-    with upstream("fast", pace) as upstream_port:
-        if args.only in (None, "streams"):
+    if args.only in (None, "streams"):
+        pace = ["--pace-ms", str(args.pace_ms), "--events", str(args.events)]
+        with upstream("fast", pace) as upstream_port:
             port = free_port()
             with server(proxy_cmd(port, upstream_port), port):
                 streams_table(upstream_port, port, args)
-        if args.only in (None, "huge"):
+    if args.only in (None, "huge"):
+        pace = ["--pace-ms", str(args.bystander_pace_ms), "--events", "50"]
+        with upstream("fast", pace) as upstream_port:
             huge_table(upstream_port, args)
 
 

@@ -19,7 +19,7 @@ from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
 from proxy.quota.quotas import reply_quota_headers
 from proxy.report import Outcome
-from proxy.validation import parse_chat_request, read_body
+from proxy.validation import discard_messages, parse_chat_request, read_body
 
 
 async def chat_completions(request: Request) -> Response:
@@ -67,6 +67,7 @@ async def chat_completions(request: Request) -> Response:
         response, quota = await exchange.guard(
             lambda: compact_and_forward(body, content, caller, control)
         )
+        await discard_messages(body)  # sent: only `model` is read from here on
     except ProxyError as exc:
         return exchange.error(exc, exchange.compaction_headers())
     except ClientDisconnected:

@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import anyio.to_thread
+
 from proxy.compaction.protocol import (
     Compaction,
     CountMessage,
@@ -82,7 +84,8 @@ class SummaryPlanner:
         """Raises SummarizerError when a summary had to be made and could not be."""
         rest = cut.rest
         target, latest = cut.length, cut.latest
-        keys = chain_hashes(scope, namespace, rest[:latest])
+        # Serializing every message costs ~0.7 ms per 400 KB: not on the event loop.
+        keys = await anyio.to_thread.run_sync(chain_hashes, scope, namespace, rest[:latest])
         stored = [
             entry
             for entry in await self.store.lookup_all(keys, latest)
