@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from proxy.redact import host_of
+from proxy.redact import host_of, redact_url
 from proxy.settings import Settings
 
 Clock = Callable[[], float]
@@ -141,7 +141,6 @@ def readiness_for(
     }
     if settings.cache.backend == "redis" and hasattr(store, "ping"):
         from proxy.store.connect import first_url  # the redis extra is installed: store is one
-        from proxy.store.redis import redact_url
 
         probes["redis"] = redis_probe(store, redact_url(first_url(settings.cache.redis_url)))
     return Readiness(probes, cache_s=settings.server.readiness_cache_s, timeout_s=_PROBE_TIMEOUT_S)

@@ -152,7 +152,7 @@ async def test_redis_down_is_503_naming_it_and_200_when_back(
         body = down.json()
         assert body["failing"] == ["redis"]
         assert body["checks"]["redis"]["ok"] is False
-        assert body["checks"]["redis"]["url"] == f"redis://127.0.0.1:{private_redis.port}/0"
+        assert f"127.0.0.1:{private_redis.port}" in body["checks"]["redis"]["url"]
         assert PASSWORD not in down.text
 
         private_redis.start()
