@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 _Mode = Literal["livesum", "all"]
 MAX_MODELS = 50
+_CHILD_CACHE = 4096  # labelled series kept at hand (client model names can be anything)
 _MODEL_CHARS = 64
 _PREFIX = "compaction_proxy_"
 # Proxy overhead is sub-millisecond when passing through, seconds when a summary is made.
@@ -68,6 +69,8 @@ class Metrics:
             ProcessCollector(registry=self.registry)
             PlatformCollector(registry=self.registry)
         self._models: set[str] = set()
+        self._requests: dict[tuple[str, int | None, str | None], Any] = {}
+        self._by_route: dict[str, tuple[Any, Any, Any]] = {}
         self._store_errors_seen = 0
         r = self.registry
 
@@ -178,16 +181,30 @@ class Metrics:
         self.in_flight.dec()
         if record.stream and record.status is not None:
             self.in_flight_streams.dec()
-        status = str(record.status) if record.status is not None else "none"
-        self.requests.labels(route, status, self.model_label(record.model)).inc()
+        key = (route, record.status, record.model)
+        requests = self._requests.get(key)
+        if requests is None:  # labels() validates its arguments: once per series, not per call
+            status = str(record.status) if record.status is not None else "none"
+            requests = self.requests.labels(route, status, self.model_label(record.model))
+            if len(self._requests) < _CHILD_CACHE:
+                self._requests[key] = requests
+        requests.inc()
+        histograms = self._by_route.get(route)
+        if histograms is None:
+            histograms = self._by_route[route] = (
+                self.duration.labels(route),
+                self.overhead.labels(route),
+                self.upstream_ttfb.labels(route),
+            )
+        duration, overhead, ttfb = histograms
         if record.duration_s is not None:
-            self.duration.labels(route).observe(record.duration_s)
+            duration.observe(record.duration_s)
         if record.overhead_s is not None:
-            self.overhead.labels(route).observe(record.overhead_s)
+            overhead.observe(record.overhead_s)
         if record.upstream_status is not None:
             self.upstream_responses.labels(route, str(record.upstream_status)).inc()
             if record.upstream_ttfb_s is not None:
-                self.upstream_ttfb.labels(route).observe(record.upstream_ttfb_s)
+                ttfb.observe(record.upstream_ttfb_s)
         errors = self.store.errors
         if errors != self._store_errors_seen:
             self.store_errors.labels(self.store.name).inc(errors - self._store_errors_seen)
