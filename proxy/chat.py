@@ -85,7 +85,7 @@ def key_control(request: Request, control: Control, key: ProxyKey) -> Control:
     """A key's compaction defaults; the request's own control headers still win."""
     mode = control.mode if "x-compaction" in request.headers else (key.mode or control.mode)
     budget = control.budget if control.budget is not None else key.budget_tokens
-    return Control(mode=mode, budget=budget)
+    return Control(mode=mode, budget=budget, strategy=key.strategy)
 
 
 def parse_control(request: Request) -> Control:

@@ -17,7 +17,7 @@ import httpx
 
 from proxy.compaction.cut import CutRules
 from proxy.compaction.protocol import Compaction, Cut, Message, SummarizerError
-from proxy.compaction.strategies import StrategyOptions, load_strategy
+from proxy.compaction.strategies import StrategyFactory, StrategyOptions, load_strategy
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
@@ -54,6 +54,7 @@ class Control:
 
     mode: Literal["auto", "off", "force"] = "auto"
     budget: int | None = None
+    strategy: str | None = None  # a proxy key's own strategy; None: compaction.strategy
 
 
 def model_of(body: dict[str, Any]) -> str:
@@ -73,6 +74,7 @@ class Job:
     force: bool
     client_headers: dict[str, str]
     scope: str | None  # the summary store tenant (None: no store)
+    strategy: str | None = None  # None: compaction.strategy
 
     @property
     def messages(self) -> list[Message]:
@@ -104,6 +106,7 @@ class Compactor:
             summarizer.breaker_cooldown_s,
             on_change=metrics.breaker_changed,
         )
+        self._other_strategies: dict[str, StrategyFactory] = {}
         try:
             self.strategy_factory = load_strategy(settings.compaction.strategy)
         except ValueError as exc:
@@ -141,6 +144,7 @@ class Compactor:
                 force,
                 client_headers,
                 scope,
+                control.strategy,
             )
             decision = await self.decide(job)
         else:
@@ -165,7 +169,7 @@ class Compactor:
     async def decide(self, job: Job) -> Decision:
         """Over budget (or forced): skip when compaction can't help, else plan and compact."""
         config = self.settings.compaction
-        compaction = self.compaction_for(job.summarizer_model)
+        compaction = self.compaction_for(job.summarizer_model, job.strategy)
 
         def count_message(message: Message) -> int:
             return self.counter.count_message(job.model, message)
@@ -242,7 +246,7 @@ class Compactor:
             strategy=compaction.fingerprint,
         )
 
-    def compaction_for(self, summarizer_model: str) -> Compaction:
+    def compaction_for(self, summarizer_model: str, strategy: str | None = None) -> Compaction:
         config = self.settings.compaction
         rules = CutRules(
             config.max_preserved_messages,
@@ -250,7 +254,13 @@ class Compactor:
             config.task_max_tokens if config.protect_task else None,
             tuple(config.injected_user_patterns),
         )
-        return self.strategy_factory(
+        factory = self.strategy_factory
+        if strategy is not None and strategy != config.strategy:
+            factory = self._other_strategies.get(strategy) or self._other_strategies.setdefault(
+                strategy,
+                load_strategy(strategy),  # names were checked when the key was loaded
+            )
+        return factory(
             StrategyOptions(
                 rules=rules,
                 summary_role=config.summary_role,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Literal
 
+from proxy.compaction.strategies import load_strategy
 from proxy.settings import ConfigError, KeySettings
 
 
@@ -126,6 +127,11 @@ def build_key(entry: KeySettings, where: str, environ: Mapping[str, str]) -> Pro
         if not value:
             raise ConfigError(f"{where}.key_env: environment variable {entry.key_env} is not set")
         digest = digest_of(value)
+    if entry.strategy is not None:
+        try:
+            load_strategy(entry.strategy)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.strategy: {exc}") from None
     upstream_key: str | None = None
     if entry.upstream_api_key_env is not None:
         upstream_key = environ.get(entry.upstream_api_key_env)

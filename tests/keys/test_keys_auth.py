@@ -358,3 +358,33 @@ async def test_admin_routes_are_off_without_an_admin_token(make_app: Any) -> Non
     response = await app.client.get("/admin/usage", headers=bearer("anything"))
     assert response.status_code == 401
     assert "admin.token_env" in error_of(response)["message"]
+
+
+async def test_per_key_strategy_picks_the_summarizer_prompt(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    from proxy.compaction.prompt import STRUCTURED_PROMPT
+
+    fake = FakeUpstream().install(upstream)
+    settings = keyed_settings(
+        key_entry("structured", KEY_A, strategy="structured"), key_entry("simple", KEY_B)
+    )
+    app = await make_app(settings)
+    force = {"x-compaction": "force"}
+    for key in (KEY_A, KEY_B):
+        reply = await app.client.post(
+            "/v1/chat/completions", json=history_chat(), headers={**bearer(key), **force}
+        )
+        assert reply.status_code == 200, reply.text
+    assert len(fake.summary_calls) == 2
+    structured, simple = (json.dumps(body) for body in fake.summary_calls)
+    assert json.dumps(STRUCTURED_PROMPT)[1:-1] in structured
+    assert json.dumps(STRUCTURED_PROMPT)[1:-1] not in simple
+
+
+def test_an_unknown_key_strategy_fails_at_start() -> None:
+    from proxy.app import create_app
+    from proxy.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=r"auth\.keys\[0\]\.strategy"):
+        create_app(keyed_settings(key_entry("team-a", KEY_A, strategy="no-such-strategy")))
