@@ -141,24 +141,27 @@ async def test_a_summarizer_that_hangs_or_fails_still_forwards_the_request(model
             assert r.upstream.cut_by_peer == len(summarizer_calls)
 
 
-async def test_client_leaving_while_the_reply_body_is_pending_aborts_the_upstream() -> None:
+@pytest.mark.parametrize("fault", ["stall-after-headers", "stall-mid-stream"])
+async def test_client_leaving_while_the_reply_body_is_pending_aborts_the_upstream(
+    fault: str,
+) -> None:
     # A long read timeout: only the client's leaving can end the upstream's hold in time.
     async with rig(timeout_s=60) as r:
         for route in (b"/v1/chat/completions", b"/v1/models"):
-            before = r.upstream.headers_out
+            sent, cut = r.upstream.headers_out, r.upstream.cut_by_peer
             method = "POST" if route.endswith(b"completions") else "GET"
             request = http_request(
                 method,
                 route,
-                headers=[*CREDENTIALS, (b"x-fault", b"stall-after-headers")],
+                headers=[*CREDENTIALS, (b"x-fault", fault.encode())],
                 body=CHAT if method == "POST" else None,
             )
             _, writer = await asyncio.open_connection("127.0.0.1", r.port)
             writer.write(request)
             await writer.drain()
-            await until(lambda b=before: r.upstream.headers_out == b + 1)  # type: ignore[misc]
+            await until(lambda s=sent: r.upstream.headers_out == s + 1)  # type: ignore[misc]
             writer.close()
-            await until(lambda b=before: r.upstream.cut_by_peer == b + 1)  # type: ignore[misc]
+            await until(lambda c=cut: r.upstream.cut_by_peer == c + 1)  # type: ignore[misc]
         await r.settled()
 
 
