@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from proxy.compaction.cut import CutRules
+from proxy.compaction.offload import off_loop
 from proxy.compaction.protocol import Compaction, Cut, Message, SummarizerError
 from proxy.compaction.strategies import StrategyFactory, StrategyOptions, load_strategy
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
@@ -154,7 +155,7 @@ class Compactor:
         )
         seconds = time.perf_counter() - started
         if decision.status != "passthrough":
-            self.log(outcome, model, seconds)
+            self.log_decision(outcome, model, seconds)
         self.metrics.observe(outcome, seconds)
         if decision.status == "failed" and config.on_error == "reject":
             raise ProxyError(
@@ -177,7 +178,13 @@ class Compactor:
         async def count(messages: list[Message]) -> int:
             return await self.counter.acount_request({**job.body, "messages": messages})
 
-        cut = compaction.cut(job.messages, keep_tokens=self.keep_tokens(job), count=count_message)
+        cut = await off_loop(
+            len(job.messages),
+            compaction.cut,
+            job.messages,
+            keep_tokens=self.keep_tokens(job),
+            count=count_message,
+        )
         if not cut.to_compact:
             return Decision("skipped", "nothing_to_compact")
         floor = await count(cut.forward(compaction.summary_message(""), cut.latest))
@@ -291,7 +298,7 @@ class Compactor:
             on_result=self.metrics.summarizer_call,
         )
 
-    def log(self, outcome: Outcome, model: str, seconds: float) -> None:
+    def log_decision(self, outcome: Outcome, model: str, seconds: float) -> None:
         """One structured line per compaction decision; never any content."""
         log.info(
             "compaction %s",

@@ -38,6 +38,7 @@ from proxy.report import Cache
 from proxy.store import StoredSummary, SummaryFlight, SummaryStore, chain_hashes
 
 CountMessages = Callable[[list[Message]], Awaitable[int]]
+
 PlanStatus = Literal["compacted", "extended", "reused", "over_budget"]
 # Moving the cut forward at most this many times before going straight to the last stop.
 _MAX_STEPS = 2

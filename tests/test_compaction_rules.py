@@ -274,3 +274,27 @@ def test_the_store_namespace_is_the_strategys_fingerprint() -> None:
     assert simple != namespace(summary_max_tokens=999)
     assert simple != namespace(custom_instruction="keep SQL")
     assert simple != namespace(summary_role="system")
+
+
+async def test_a_long_history_is_cut_off_the_event_loop(
+    fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cutting and hashing cost ~25 ms per 10k messages: a long history is cut in a worker
+    thread so other requests keep being served; a short one stays on the loop."""
+    import threading
+
+    from proxy.compaction import cut as cut_module
+
+    threads: list[int] = []
+    real = cut_module.cut_history
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cut_module, "cut_history", recording)
+    async with await open_client(budget_tokens=5000) as client:
+        await post(client, agent(20, words=200))
+        await post(client, agent(2600, words=2))  # 5,202 messages
+    loop_thread = threading.get_ident()
+    assert threads[0] == loop_thread and threads[1] != loop_thread

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from proxy.compaction.cut import CutRules, cut_messages
+from proxy.compaction.offload import off_loop
 from proxy.compaction.prompt import PROMPT_VERSION, SUMMARY_MARKER, SYSTEM_PROMPT, compact_prompt
 from proxy.compaction.protocol import (
     CompactionResult,
@@ -145,7 +146,8 @@ class SimpleCompaction:
         Each chunk is `render(chunk, previous_summary=<summary so far>)`. `on_chunk(n, s)` runs
         after each chunk: n = messages of `span` covered, s = that summary and the usage so far.
         """
-        summary, _ = await self._fold(summarizer, self._bodies(span), previous_summary, on_chunk)
+        bodies = await off_loop(len(span), self._bodies, span)
+        summary, _ = await self._fold(summarizer, bodies, previous_summary, on_chunk)
         return summary
 
     async def compact(self, messages: list[Message], summarizer: Summarizer) -> CompactionResult:
