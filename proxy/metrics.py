@@ -238,7 +238,7 @@ class Metrics:
             self.summarizer_tokens.labels("output").inc(outcome.usage.output_tokens)
         if outcome.cache is not None:
             self.store_lookups.labels(outcome.cache).inc()
-        if outcome.status in ("compacted", "extended", "reused"):
+        if outcome.status in ("compacted", "extended", "reused", "over_budget"):
             self.compaction_seconds.observe(seconds)
 
     def summarizer_call(self, seconds: float | None, failure: str | None) -> None:

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 PREFIX = "x-compaction-"
 # Statuses under which the forwarded request carried a summary instead of older messages.
-SUMMARIZED = frozenset({"compacted", "reused", "extended"})
+SUMMARIZED = frozenset({"compacted", "reused", "extended", "over_budget"})
 
 
 @dataclass(frozen=True)
 class CompactionReport:
     """What the proxy says it did to one chat request.
 
-    status: passthrough | compacted | reused | extended | skipped | failed | off
+    status: passthrough | compacted | reused | extended | over_budget | skipped | failed | off
     cache:  hit | partial | miss | none, or None when no store was consulted
     `headers` holds every `x-compaction-*` header as sent, including any not typed here.
     """
