@@ -1,5 +1,5 @@
 """CPU work over long histories goes to a worker thread, so one huge request does not stall
-the event loop for everyone else (cutting and hashing cost ~25 ms per 10k messages)."""
+the event loop for everyone else (cutting costs ~25 ms per 10k messages)."""
 
 from __future__ import annotations
 
