@@ -127,6 +127,13 @@ def serve_command(args: argparse.Namespace) -> int:
     problem = check_exposure(settings, app.state.proxy.gate.enabled)
     if problem is not None:
         raise ConfigError(problem)
+    state = app.state.proxy
+    if server.workers > 1 and state.gate.enabled and state.quotas.ledger.name == "memory":
+        logging.getLogger("proxy.quota").warning(
+            "quota.backend is memory with %d workers: each worker keeps its own quota "
+            'counters and usage; use quota.backend = "redis" to share them',
+            server.workers,
+        )
     if server.workers == 1:
         uvicorn.run(app, **options)
         return 0
