@@ -298,3 +298,21 @@ async def test_a_long_history_is_cut_off_the_event_loop(
         await post(client, agent(2600, words=2))  # 5,202 messages
     loop_thread = threading.get_ident()
     assert threads[0] == loop_thread and threads[1] != loop_thread
+
+
+async def test_a_stored_summary_over_budget_at_the_last_cut_is_over_budget_not_reused(
+    client: httpx.AsyncClient, fake: FakeUpstream, counter: TokenCounter
+) -> None:
+    fake.summary_text = "S " + "fact " * 600
+    messages = agent(30)
+    assert (await post(client, messages)).headers["x-compaction-status"] == "compacted"
+    small = {"x-compaction-budget": "900"}  # below task + this summary + the last two calls
+    first = await post(client, messages, **small)
+    calls = len(fake.summary_calls)
+    again = await post(client, messages, **small)
+    assert first.headers["x-compaction-status"] == again.headers["x-compaction-status"]
+    assert again.headers["x-compaction-status"] == "over_budget"
+    assert again.headers["x-compaction-cache"] == "hit"
+    assert len(fake.summary_calls) == calls  # nothing paid twice for the same span
+    assert int(again.headers["x-compaction-tokens-after"]) == forwarded_tokens(counter, fake)
+    assert fake.forwarded[-1]["messages"][-2:] == messages[-2:]
