@@ -26,6 +26,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -156,18 +157,16 @@ async def huge_client(
     await asyncio.sleep(1.0)  # bystanders in steady state first
     start = time.perf_counter()
     huge: dict[str, Any] = {}
-    if big:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
-        writer.write(big)
-        await writer.drain()
-        answer = await reader.read()
-        writer.close()
-        huge = {
-            "status": int(answer.split(b" ", 2)[1]) if answer else -1,
-            "compaction": _header(answer, b"x-compaction-status"),
-            "code": _error_code(answer),
-            "bytes": len(big),
-        }
+    if big:  # sent by another process: copying 40 MB into a socket would stall this loop too
+        with tempfile.NamedTemporaryFile(prefix="bench-load-") as file:
+            file.write(big)
+            file.flush()
+            sender = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "bench.load", "send", str(port), file.name,
+                stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+            )  # fmt: skip
+            out, _ = await sender.communicate()
+        huge = {**json.loads(out), "bytes": len(big)}
     else:
         await asyncio.sleep(alone_s)
     end = time.perf_counter()
@@ -175,6 +174,22 @@ async def huge_client(
     await asyncio.gather(*tasks)
     gaps = [g for times in arrivals for g in gaps_of(times, start, end)]
     return {"seconds": end - start, "gaps": gaps, "failures": failures, "huge": huge}
+
+
+def send_main(port: int, path: str) -> None:
+    """Send one prepared request; print its status, compaction status and error code."""
+    import socket
+
+    with open(path, "rb") as file:
+        data = file.read()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(1 << 20):
+            answer += chunk
+    status = int(answer.split(b" ", 2)[1]) if answer else -1
+    compaction, code = _header(answer, b"x-compaction-status"), _error_code(answer)
+    print(json.dumps({"status": status, "compaction": compaction, "code": code}))
 
 
 def _header(answer: bytes, name: bytes) -> str:
@@ -293,6 +308,9 @@ def huge_table(upstream_port: int, args: argparse.Namespace) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "client":
         client_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "send":
+        send_main(int(sys.argv[2]), sys.argv[3])
         return
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", choices=["streams", "huge"])
