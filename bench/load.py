@@ -278,6 +278,7 @@ def huge_table(upstream_port: int, args: argparse.Namespace) -> None:
         "baseline": ("none (baseline)", {}, 0, 0),
         "default": ("default limits", {}, args.huge_messages, 0),
         "screenshots": ("40 MB of screenshots, default limits", {}, -40, 0),
+        "at-limit": ("50k tiny messages (the limit), compacted", {}, 50_000, 0),
         "counted": ("limits raised, counted only", RAISED_LIMITS, args.huge_messages, 10**9),
         "compacted": ("limits raised, compacted", RAISED_LIMITS, args.huge_messages, 0),
     }
@@ -321,7 +322,9 @@ def main() -> None:
     parser.add_argument("--bystander-pace-ms", type=float, default=10.0)
     parser.add_argument("--huge-messages", type=int, default=1_000_000)
     parser.add_argument(
-        "--cases", nargs="+", default=["baseline", "default", "screenshots", "counted", "compacted"]
+        "--cases",
+        nargs="+",
+        default=["baseline", "default", "screenshots", "at-limit", "counted", "compacted"],
     )
     args = parser.parse_args()
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
