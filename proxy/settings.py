@@ -369,10 +369,12 @@ def _section_type(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
 
 
 def _is_structured(annotation: Any) -> bool:
-    """A section, a dict or a list: set from an env var as JSON."""
+    """A section, a dict or a list: set from an env var as JSON. A union that also takes a
+    plain value (`str | list[str]`) takes the variable as text when it is not JSON."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return any(_is_structured(arg) for arg in typing.get_args(annotation) if arg is not None)
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return all(_is_structured(arg) for arg in args)
     if origin in (dict, list):
         return True
     return isinstance(annotation, type) and issubclass(annotation, (BaseModel, dict, list))

@@ -249,3 +249,14 @@ def test_one_worker_serves_in_process_with_the_drain_timeout(
     assert "workers" not in seen and seen["access_log"] is False
     formatter = seen["log_config"]["formatters"]["proxy"]
     assert formatter["log_format"] == "json"
+
+
+def test_a_key_taking_text_or_a_list_reads_text_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COMPACTION_PROXY_CACHE__REDIS_URL", "redis://redis:6379/0")
+    assert load_settings().cache.redis_url == "redis://redis:6379/0"
+    monkeypatch.setenv("COMPACTION_PROXY_CACHE__REDIS_URL", '["redis://a:1", "redis://b:2"]')
+    assert load_settings().cache.redis_url == ["redis://a:1", "redis://b:2"]
+    monkeypatch.setenv("COMPACTION_PROXY_UPSTREAM__API_KEY", "sk-not-json")  # SecretStr | None
+    assert load_settings().upstream.api_key is not None
