@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from proxy.auth.keys import presented_key
 from proxy.errors import ProxyError, bad_request
 from proxy.headers import client_headers_of
-from proxy.quota.ledger import MICRO
+from proxy.quota.ledger import NANO
 from proxy.quota.windows import day_of
 from proxy.state import ProxyState
 
@@ -70,7 +70,7 @@ async def admin_usage(request: Request) -> Response:
             code="usage_unavailable",
         ).response()  # fmt: skip
     rows = [row for row in rows if model is None or row.model == model]
-    total_cost = sum(row.counts.get("cost_micro_usd", 0) for row in rows) / MICRO
+    total_cost = sum(row.counts.get("cost_nano_usd", 0) for row in rows) / NANO
     return JSONResponse(
         {
             "object": "list",

@@ -18,7 +18,9 @@ from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
 from proxy.paths import upstream_path
 from proxy.quota.quotas import reply_quota_headers
+from proxy.report import Outcome
 from proxy.upstream import RequestContent
+from proxy.usage import ChatTap
 from proxy.validation import Upload, read_body
 
 
@@ -32,6 +34,7 @@ async def passthrough(request: Request) -> Response:
     content: RequestContent | None = None
     upload: Upload | None = None
     watch = True
+    tap: ChatTap | None = None
     try:
         path = upstream_path(request.scope)
         caller = exchange.admit()
@@ -39,7 +42,12 @@ async def passthrough(request: Request) -> Response:
         if length is not None and length.isdigit() and int(length) <= limit:
             content = await read_body(request, limit)
             if caller.key is not None:
-                check_model(caller.key, model_in(content))
+                model = model_in(content)
+                check_model(caller.key, model)
+                if model and request.method == "POST":  # a billed call: embeddings, responses...
+                    tap = exchange.state.meter.tap(
+                        caller.key.id, model, Outcome(), hide_usage=False
+                    )
         elif length is not None or chunked:
             upload = Upload(request)
             content = upload.chunks()
@@ -62,7 +70,7 @@ async def passthrough(request: Request) -> Response:
         return exchange.error(exc)
     except ClientDisconnected:
         return exchange.disconnected()
-    return await exchange.relay(response, reply_quota_headers(quota), watch=watch)
+    return await exchange.relay(response, reply_quota_headers(quota), tap, watch=watch)
 
 
 def model_in(content: bytes) -> str:

@@ -16,7 +16,7 @@ from proxy.auth.keys import Limits
 
 Denial = Literal["requests", "tokens_minute", "tokens_day", "spend_day", "spend_month"]
 
-# Per-day usage fields, all integers (dollars as micro-dollars).
+# Per-day usage fields, all integers (dollars as nano-dollars, so cheap requests add up).
 USAGE_FIELDS = (
     "requests",
     "prompt_tokens_sent",
@@ -26,11 +26,11 @@ USAGE_FIELDS = (
     "summarizer_prompt_tokens",
     "summarizer_completion_tokens",
     "tokens_saved",
-    "cost_micro_usd",
+    "cost_nano_usd",
     "estimated_requests",
 )
 
-MICRO = 1_000_000
+NANO = 1_000_000_000  # dollars are stored as integer nano-dollars
 
 
 class LedgerUnavailable(Exception):
@@ -45,8 +45,8 @@ class Charge:
     requests: int = 0
     tokens_minute: int = 0
     tokens_day: int = 0
-    spend_day_micro: int = 0
-    spend_month_micro: int = 0
+    spend_day_nano: int = 0
+    spend_month_nano: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,20 +56,20 @@ class LimitArgs:
     requests: int
     tokens_minute: int
     tokens_day: int
-    spend_day_micro: int
-    spend_month_micro: int
+    spend_day_nano: int
+    spend_month_nano: int
 
     @classmethod
     def of(cls, limits: Limits) -> LimitArgs:
-        def micro(usd: float | None) -> int:
-            return 0 if usd is None else max(1, round(usd * MICRO))
+        def nano(usd: float | None) -> int:
+            return 0 if usd is None else max(1, round(usd * NANO))
 
         return cls(
             limits.requests_per_minute or 0,
             limits.prompt_tokens_per_minute or 0,
             limits.prompt_tokens_per_day or 0,
-            micro(limits.spend_usd_per_day),
-            micro(limits.spend_usd_per_month),
+            nano(limits.spend_usd_per_day),
+            nano(limits.spend_usd_per_month),
         )
 
 
@@ -82,7 +82,7 @@ class UsageRow:
 
     def as_json(self) -> dict[str, object]:
         counts = {name: self.counts.get(name, 0) for name in USAGE_FIELDS}
-        cost = counts.pop("cost_micro_usd") / MICRO
+        cost = counts.pop("cost_nano_usd") / NANO
         return {"key": self.key, "model": self.model, "day": self.day, **counts, "cost_usd": cost}
 
 
@@ -109,9 +109,9 @@ def decide(limits: LimitArgs, tokens: int, c: Charge) -> Denial | None:
         return "tokens_minute"
     if limits.tokens_day and c.tokens_day + tokens > limits.tokens_day:
         return "tokens_day"
-    if limits.spend_day_micro and c.spend_day_micro >= limits.spend_day_micro:
+    if limits.spend_day_nano and c.spend_day_nano >= limits.spend_day_nano:
         return "spend_day"
-    if limits.spend_month_micro and c.spend_month_micro >= limits.spend_month_micro:
+    if limits.spend_month_nano and c.spend_month_nano >= limits.spend_month_nano:
         return "spend_month"
     return None
 

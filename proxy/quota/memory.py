@@ -46,8 +46,8 @@ class MemoryLedger:
             self._add(key_id, "rpm", w.minute, 1),
             self._add(key_id, "tpm", w.minute, tokens),
             self._add(key_id, "tpd", w.day, tokens),
-            before.spend_day_micro,
-            before.spend_month_micro,
+            before.spend_day_nano,
+            before.spend_month_nano,
         )
 
     async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None:
@@ -55,7 +55,7 @@ class MemoryLedger:
         row = self._usage.setdefault((key_id, w.day, model), defaultdict(int))
         for name, value in counts.items():
             row[name] += value
-        cost = counts.get("cost_micro_usd", 0)
+        cost = counts.get("cost_nano_usd", 0)
         if cost:
             self._add(key_id, "spend_d", w.day, cost)
             self._add(key_id, "spend_m", w.month, cost)
@@ -78,4 +78,4 @@ class MemoryLedger:
 
 
 def _counts(c: Charge) -> tuple[int, int, int, int, int]:
-    return (c.requests, c.tokens_minute, c.tokens_day, c.spend_day_micro, c.spend_month_micro)
+    return (c.requests, c.tokens_minute, c.tokens_day, c.spend_day_nano, c.spend_month_nano)

@@ -16,7 +16,7 @@ from typing import Literal
 
 from proxy.auth.keys import ProxyKey
 from proxy.errors import ProxyError
-from proxy.quota.ledger import MICRO, Charge, Ledger, LedgerUnavailable, LimitArgs
+from proxy.quota.ledger import NANO, Charge, Ledger, LedgerUnavailable, LimitArgs
 from proxy.quota.windows import Windows, duration_text, windows_at
 from proxy.store.protocol import RateLimitedLog
 
@@ -134,13 +134,13 @@ def _denial(
         )  # fmt: skip
     else:
         daily = charge.denied == "spend_day"
-        cap = limits.spend_day_micro if daily else limits.spend_month_micro
-        spent = charge.spend_day_micro if daily else charge.spend_month_micro
+        cap = limits.spend_day_nano if daily else limits.spend_month_nano
+        spent = charge.spend_day_nano if daily else charge.spend_month_nano
         reset = w.day_reset_s if daily else w.month_reset_s
         period = "daily" if daily else "monthly"
         message = (
-            f"You exceeded your current quota: key {key.id!r} has spent ${spent / MICRO:.4f} of "
-            f"its {period} cap of ${cap / MICRO:.2f}. It resets in {duration_text(reset)}."
+            f"You exceeded your current quota: key {key.id!r} has spent ${spent / NANO:.4f} of "
+            f"its {period} cap of ${cap / NANO:.2f}. It resets in {duration_text(reset)}."
         )
         return _too_many(message, "insufficient_quota", "insufficient_quota", reset, headers)
     message = (

@@ -116,8 +116,8 @@ class RedisLedger:
             limits.requests,
             limits.tokens_minute,
             limits.tokens_day,
-            limits.spend_day_micro,
-            limits.spend_month_micro,
+            limits.spend_day_nano,
+            limits.spend_month_nano,
             tokens,
             _MINUTE_TTL_S,
             _DAY_TTL_S,
@@ -200,7 +200,7 @@ class RedisLedger:
                 if value:
                     pipe.hincrby(usage_key, f"{model}{_SEP}{name}", value)
             pipe.expire(usage_key, self.retention_days * 86400)
-            cost = counts.get("cost_micro_usd", 0)
+            cost = counts.get("cost_nano_usd", 0)
             if cost:
                 for window, ttl in ((w.day, _DAY_TTL_S), (w.month, _MONTH_TTL_S)):
                     pipe.incrby(self.key(key_id, "spend", window), cost)

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from proxy import jsonbytes
-from proxy.quota.ledger import MICRO, Ledger, LedgerUnavailable
+from proxy.quota.ledger import NANO, Ledger, LedgerUnavailable
 from proxy.quota.windows import day_of
 from proxy.report import Outcome
 from proxy.settings import Settings
@@ -80,10 +80,10 @@ class Meter:
     def tap(self, key_id: str, model: str, outcome: Outcome, *, hide_usage: bool) -> ChatTap:
         return ChatTap(self, key_id, model, outcome, hide_usage)
 
-    def cost_micro(
+    def cost_nano(
         self, model: str, outcome: Outcome, prompt: int, cached: int, completion: int
     ) -> tuple[int, bool]:
-        """Micro-dollars for the reply plus this request's summarizer calls; (cost, priced)."""
+        """Nano-dollars for the reply plus this request's summarizer calls; (cost, priced)."""
         price = self.pricing.price_of(model)
         usd = 0.0 if price is None else price.cost_usd(prompt, cached, completion)
         summary = outcome.usage
@@ -91,7 +91,7 @@ class Meter:
             summarizer = self.pricing.price_of(self.summarizer_model or model)
             if summarizer is not None:
                 usd += summarizer.cost_usd(summary.input_tokens, 0, summary.output_tokens)
-        return round(usd * MICRO), price is not None
+        return round(usd * NANO), price is not None
 
     def record(self, key_id: str, model: str, counts: dict[str, int]) -> None:
         """Add one reply's counts to the batch; the flusher writes it within `flush_s`."""
@@ -163,7 +163,7 @@ class ChatTap:
         cost, priced = self._finish(status, reported, events=0)
         if status >= 400 or not priced:
             return {}
-        return {COST_HEADER: f"{cost / MICRO:.6f}"}
+        return {COST_HEADER: f"{cost / NANO:.6f}"}
 
     async def relay(
         self, status: int, headers: httpx.Headers, chunks: AsyncIterator[bytes]
@@ -217,7 +217,7 @@ class ChatTap:
             counts["completion_tokens"] = completion
         else:
             prompt = cached = completion = 0
-        cost, priced = self.meter.cost_micro(self.model, outcome, prompt, cached, completion)
-        counts["cost_micro_usd"] = cost
+        cost, priced = self.meter.cost_nano(self.model, outcome, prompt, cached, completion)
+        counts["cost_nano_usd"] = cost
         self.meter.record(self.key_id, self.model, counts)
         return cost, priced

@@ -34,14 +34,23 @@ class ReportedUsage:
 
     @classmethod
     def parse(cls, usage: object) -> ReportedUsage | None:
+        """Chat Completions' shape (prompt/completion tokens) or the Responses API's
+        (input/output tokens); embeddings report prompt tokens only."""
         if not isinstance(usage, dict):
             return None
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if not isinstance(prompt, int) or not isinstance(completion, int):
+        prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+        completion = _count(usage.get("completion_tokens", usage.get("output_tokens", 0)))
+        if prompt is None or completion is None:
             return None
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return cls(prompt, completion, cached if isinstance(cached, int) else 0)
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return cls(prompt, completion, cached or 0)
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def usage_of_body(body: bytes, content_encoding: str = "") -> ReportedUsage | None:
@@ -126,7 +135,10 @@ class StreamTap:
         payload = _event_payload(event)
         if not isinstance(payload, dict):
             return False
-        usage = ReportedUsage.parse(payload.get("usage"))
+        reported = payload.get("usage")
+        if reported is None and isinstance(payload.get("response"), dict):
+            reported = payload["response"].get("usage")  # Responses API: response.completed
+        usage = ReportedUsage.parse(reported)
         if usage is None:
             return False
         self.usage = usage

@@ -256,7 +256,7 @@ def test_limit_args_and_reset_texts() -> None:
     from proxy.auth.keys import Limits
 
     args = LimitArgs.of(Limits(requests_per_minute=3, spend_usd_per_day=1.5))
-    assert (args.requests, args.tokens_minute, args.spend_day_micro) == (3, 0, 1_500_000)
+    assert (args.requests, args.tokens_minute, args.spend_day_nano) == (3, 0, 1_500_000_000)
     assert duration_text(0.25) == "250ms"
     assert duration_text(1) == "1s"
     assert duration_text(360) == "6m0s"

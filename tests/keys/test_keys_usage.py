@@ -300,3 +300,37 @@ def test_usage_of_a_gzipped_body_is_read_from_a_decoded_copy() -> None:
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (3, 4)
     assert usage_of_body(b"not json") is None
     assert usage_of_body(body, "br") is None
+
+
+async def test_usage_of_other_billed_routes_is_recorded_too(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    upstream.post("/embeddings").respond(
+        json={"data": [], "usage": {"prompt_tokens": 8, "total_tokens": 8}}
+    )
+    responses_usage = {
+        "input_tokens": 20,
+        "output_tokens": 5,
+        "input_tokens_details": {"cached_tokens": 4},
+    }
+    upstream.post("/responses").respond(json={"id": "resp_1", "usage": responses_usage})
+    upstream.get("/models").respond(json={"data": []})
+    app = await make_app(admin_settings())
+    for path, body in (
+        ("/v1/embeddings", {"model": "text-embedding-3-small", "input": "x"}),
+        ("/v1/responses", {"model": "gpt-4o-mini", "input": "hi"}),
+    ):
+        reply = await app.client.post(path, json=body, headers=bearer(KEY_A))
+        assert reply.status_code == 200
+    assert (await app.client.get("/v1/models", headers=bearer(KEY_A))).status_code == 200
+    await app.state.meter.join()
+    rows = (await app.client.get("/admin/usage", headers=ADMIN)).json()["data"]
+    by_model = {row["model"]: row for row in rows}
+    assert set(by_model) == {"text-embedding-3-small", "gpt-4o-mini"}
+    embeddings, responses = by_model["text-embedding-3-small"], by_model["gpt-4o-mini"]
+    assert (embeddings["prompt_tokens_forwarded"], embeddings["completion_tokens"]) == (8, 0)
+    assert responses["prompt_tokens_forwarded"] == 20
+    assert responses["cached_prompt_tokens"] == 4
+    assert responses["completion_tokens"] == 5
+    assert responses["estimated_requests"] == 0
+    assert responses["cost_usd"] == pytest.approx((16 * 0.15 + 4 * 0.075 + 5 * 0.60) / 1e6)
