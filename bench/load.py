@@ -235,7 +235,7 @@ def run_client(*args: str) -> dict[str, Any]:
     out = subprocess.run(
         _pin(CLIENT_CPU, cmd), cwd=ROOT, capture_output=True, text=True, check=True, timeout=900
     )
-    result: dict[str, Any] = json.loads(out.stdout)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
