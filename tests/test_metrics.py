@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import metrics as metrics_module
 from proxy.app import create_app
+from tests.agent_sim import TOOLS, agent_turns
 from tests.conftest import make_settings
 from tests.test_compaction_path import request_body
 from tests.upstream_fakes import FakeUpstream
@@ -174,3 +175,22 @@ async def test_model_label_is_bounded(
         if labels["route"] == CHAT
     }
     assert counts == {"a": 2, "b": 1, "other": 2}
+
+
+async def test_store_lookups_count_extended_summaries_as_partial(
+    fake: FakeUpstream,
+) -> None:
+    statuses: list[str] = []
+    async for client in open_client(compaction={"budget_tokens": 2000}):
+        for history in agent_turns(60):
+            response = await client.post(
+                CHAT, json={"model": "gpt-4o-mini", "messages": history, "tools": TOOLS}
+            )
+            assert response.status_code == 200
+            statuses.append(response.headers["x-compaction-status"])
+        s = await scrape(client)
+    assert statuses.count("extended") >= 1, statuses
+    lookups = "compaction_proxy_store_lookups_total"
+    assert value(s, lookups, result="partial") == statuses.count("extended")
+    assert value(s, lookups, result="hit") == statuses.count("reused")
+    assert value(s, lookups, result="miss") == statuses.count("compacted")
