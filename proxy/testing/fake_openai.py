@@ -66,6 +66,7 @@ class Reply:
     finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
     delay_s: float = 0.0
     headers: Mapping[str, str] = field(default_factory=dict)
+    usage: Mapping[str, int] | None = None  # reported as given; default: counted
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ class FakeOpenAI:
         reply = _as_reply(item.reply if isinstance(item, BrokenStream) else item)
         if reply.delay_s:
             await asyncio.sleep(reply.delay_s)
-        usage = self._usage(call, reply)
+        usage = dict(reply.usage) if reply.usage is not None else self._usage(call, reply)
         model = call.model or "fake"
         headers = {"x-fake-openai": call.kind, **reply.headers}
         if call.stream:

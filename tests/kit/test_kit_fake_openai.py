@@ -51,6 +51,15 @@ async def test_usage_is_counted_with_the_proxys_own_counter(
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+async def test_a_reply_can_report_the_usage_it_is_given(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    usage = {"prompt_tokens": 1234, "completion_tokens": 56, "total_tokens": 1290}
+    fake_openai.replies = [Reply("billed", usage=usage)]
+    reply = await proxy_client.post("/v1/chat/completions", json=chat(history(1)), headers=AUTH)
+    assert reply.json()["usage"] == usage
+
+
 @pytest.mark.compaction_proxy(compaction={"budget_tokens": 300})
 async def test_summarizer_calls_are_told_from_forwarded_chats(
     proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
