@@ -1,19 +1,16 @@
-"""SimpleCompaction in the request path, against a respx upstream (issue 4)."""
+"""SimpleCompaction in the request path, against the kit's fake upstream."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import respx
 
-from proxy.app import create_app
 from proxy.compaction.prompt import SUMMARY_MARKER, SYSTEM_PROMPT
-from tests.conftest import make_settings
-from tests.upstream_fakes import REPLY, SSE, FakeUpstream, summary_of
+from proxy.testing import Call, CompactionReport, Error, FakeOpenAI, Reply
+from tests.upstream_fakes import summary_of
 
 TOOLS = [
     {
@@ -62,242 +59,239 @@ def request_body(**extra: Any) -> dict[str, Any]:
 # The reference's cut: the last 2 user/assistant messages, no task or ask carried verbatim
 # (tests/test_compaction_rules.py covers the proxy's defaults).
 REFERENCE = {"keep_recent_ratio": 0, "protect_task": False, "keep_last_user_message": False}
+pytestmark = pytest.mark.compaction_proxy(
+    compaction={"budget_tokens": 1000, **REFERENCE}, cache={"backend": "none"}
+)
+SUMMARY = "SUMMARY: the user is building a parser; tests pass."
+CHAT = "/v1/chat/completions"
 
 
-async def app_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:
-    compaction = {"budget_tokens": 1000, **REFERENCE, **sections.pop("compaction", {})}
-    settings = make_settings(compaction=compaction, **sections)
-    app = create_app(settings)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
-        yield c
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:  # overrides conftest: budget 1000
-    async for c in app_client(cache={"backend": "none"}):
-        yield c
-
-
-@pytest.fixture
-def fake(upstream: respx.MockRouter) -> FakeUpstream:
-    return FakeUpstream().install(upstream)
+def forwarded_raw(fake: FakeOpenAI) -> list[bytes]:
+    return [call.request.content for call in fake.chat_calls]
 
 
 async def test_over_budget_request_is_compacted_with_one_summarizer_call(
-    client: httpx.AsyncClient, fake: FakeUpstream
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
+    fake_openai.summaries = [Reply(SUMMARY, usage={"prompt_tokens": 1234, "completion_tokens": 56})]
     body = request_body()
-    response = await client.post(
-        "/v1/chat/completions",
+    response = await proxy_client.post(
+        CHAT,
         json=body,
         headers={"authorization": "Bearer sk-client", "openai-organization": "org-7"},
     )
     assert response.status_code == 200
-    assert response.json() == REPLY  # the summary is never returned to the client
+    # the summary is never returned to the client: the reply is the forwarded call's
+    assert response.headers["x-fake-openai"] == "chat"
+    assert response.json()["choices"][0]["message"]["content"] == fake_openai.reply_text
 
-    assert len(fake.summary_calls) == 1
-    call = fake.summary_calls[0]
-    assert call["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
-    assert "tools" not in call and "tool_choice" not in call
-    assert call["max_tokens"] == 2000
-    assert call["model"] == "gpt-4o-mini"
-    assert call["stream"] is False
+    (call,) = fake_openai.summarizer_calls
+    assert call.messages[0] == {"role": "system", "content": SYSTEM_PROMPT}
+    assert "tools" not in call.body and "tool_choice" not in call.body
+    assert call.body["max_tokens"] == 2000
+    assert call.model == "gpt-4o-mini"
+    assert call.body["stream"] is False
     # billed to the client's own key and organization
-    assert fake.summary_requests[0].headers["authorization"] == "Bearer sk-client"
-    assert fake.summary_requests[0].headers["openai-organization"] == "org-7"
+    assert call.headers["authorization"] == "Bearer sk-client"
+    assert call.headers["openai-organization"] == "org-7"
 
-    (forwarded,) = fake.forwarded
+    (forwarded,) = fake_openai.chat_calls
     original = body["messages"]
-    sent = forwarded["messages"]
+    sent = forwarded.messages
     assert sent[0] == original[0]  # pinned system prompt, in place
     assert sent[1]["role"] == "user"
-    assert sent[1]["content"] == f"{SUMMARY_MARKER}\n{fake.summary_text}"
+    assert sent[1]["content"] == f"{SUMMARY_MARKER}\n{SUMMARY}"
     assert sent[2:] == original[-2:]  # the preserved tail, verbatim (vendor field included)
     assert sent[-1]["x_vendor_field"] == {"keep": True}
     for key in ("tools", "temperature", "unknown_top_level", "model"):
-        assert forwarded[key] == body[key]
+        assert forwarded.body[key] == body[key]
 
-    headers = response.headers
-    assert headers["x-compaction-status"] == "compacted"
-    before = int(headers["x-compaction-tokens-before"])
-    after = int(headers["x-compaction-tokens-after"])
-    assert before > 1000 > after
-    assert headers["x-compaction-budget"] == "1000"
-    assert headers["x-compaction-messages-summarized"] == str(len(original) - 3)
-    assert headers["x-compaction-summary-input-tokens"] == "1234"
-    assert headers["x-compaction-summary-output-tokens"] == "56"
-    assert float(headers["x-compaction-overhead-ms"]) > 0
+    report = CompactionReport.from_headers(response.headers)
+    assert report.status == "compacted"
+    assert report.tokens_before is not None and report.tokens_after is not None
+    assert report.tokens_before > 1000 > report.tokens_after
+    assert report.budget == 1000
+    assert report.messages_summarized == len(original) - 3
+    assert report.summary_input_tokens == 1234
+    assert report.summary_output_tokens == 56
+    assert report.overhead_ms is not None and report.overhead_ms > 0
 
 
 async def test_streaming_request_is_compacted_and_streamed(
-    client: httpx.AsyncClient, fake: FakeUpstream
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
-    response = await client.post("/v1/chat/completions", json=request_body(stream=True))
-    assert response.content == SSE
+    response = await proxy_client.post(CHAT, json=request_body(stream=True))
     assert response.headers["x-compaction-status"] == "compacted"
     assert response.headers["cache-control"] == "no-cache"
-    assert len(fake.summary_calls) == 1
-    assert fake.forwarded[0]["stream"] is True
-    assert summary_of(fake.forwarded[0]["messages"]) is not None
+    assert len(fake_openai.summarizer_calls) == 1
+    (forwarded,) = fake_openai.chat_calls
+    assert forwarded.stream is True
+    assert summary_of(forwarded.messages) is not None
+    # relayed byte for byte: what the fake streams for the forwarded request, sent to it directly
+    async with httpx.AsyncClient() as direct:
+        streamed = await direct.post(str(forwarded.request.url), content=forwarded.request.content)
+    assert response.content == streamed.content
+    assert streamed.headers["content-type"] == "text/event-stream"
 
 
 @pytest.mark.parametrize("status", [500, 503])
 async def test_summarizer_failure_forwards_original_bytes(
-    client: httpx.AsyncClient, fake: FakeUpstream, status: int
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI, status: int
 ) -> None:
-    fake.summary_status = status
+    fake_openai.summaries = lambda call: Error(status)
     raw = json.dumps(request_body()).encode()
-    response = await client.post("/v1/chat/completions", content=raw)
+    response = await proxy_client.post(CHAT, content=raw)
     assert response.status_code == 200
-    assert fake.forwarded_raw == [raw]
+    assert forwarded_raw(fake_openai) == [raw]
     assert response.headers["x-compaction-status"] == "failed"
     assert response.headers["x-compaction-reason"] == f"summarizer_http_{status}"
-    assert len(fake.summary_calls) == 3  # first try + 2 retries on 5xx
+    assert len(fake_openai.summarizer_calls) == 3  # first try + 2 retries on 5xx
 
 
-async def test_summarizer_timeout_forwards_unchanged(upstream: respx.MockRouter) -> None:
-    fake = FakeUpstream()
+@pytest.mark.compaction_proxy(
+    compaction={"summarizer": {"retries": 0}}, cache={"backend": "memory"}
+)
+async def test_summarizer_timeout_forwards_unchanged(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    def timeout(call: Call) -> None:
+        raise httpx.ReadTimeout("slow summarizer", request=call.request)
 
-    async def side_effect(request: httpx.Request) -> httpx.Response:
-        if json.loads(request.content)["messages"][0].get("content") == SYSTEM_PROMPT:
-            raise httpx.ReadTimeout("slow summarizer", request=request)
-        return await fake(request)
-
-    upstream.post("/chat/completions").mock(side_effect=side_effect)
-    async for client in app_client(compaction={"summarizer": {"retries": 0}}):
-        raw = json.dumps(request_body()).encode()
-        response = await client.post("/v1/chat/completions", content=raw)
-        assert response.status_code == 200
-        assert fake.forwarded_raw == [raw]
-        assert response.headers["x-compaction-status"] == "failed"
-        assert response.headers["x-compaction-reason"] == "summarizer_timeout"
-
-
-async def test_on_error_reject_answers_502(upstream: respx.MockRouter) -> None:
-    fake = FakeUpstream(summary_status=500).install(upstream)
-    async for client in app_client(compaction={"on_error": "reject", "summarizer": {"retries": 0}}):
-        response = await client.post("/v1/chat/completions", json=request_body())
-        assert response.status_code == 502
-        error = response.json()["error"]
-        assert error["code"] == "compaction_failed"
-        assert response.headers["x-compaction-status"] == "failed"
-        assert fake.forwarded == []
+    fake_openai.summaries = timeout
+    raw = json.dumps(request_body()).encode()
+    response = await proxy_client.post(CHAT, content=raw)
+    assert response.status_code == 200
+    assert forwarded_raw(fake_openai) == [raw]
+    assert response.headers["x-compaction-status"] == "failed"
+    assert response.headers["x-compaction-reason"] == "summarizer_timeout"
 
 
-async def test_breaker_stops_calling_a_failing_summarizer(upstream: respx.MockRouter) -> None:
-    fake = FakeUpstream(summary_status=500).install(upstream)
-    settings = {"summarizer": {"retries": 0, "breaker_failures": 2, "breaker_cooldown_s": 600}}
-    async for client in app_client(compaction=settings):
-        reasons = []
-        for _ in range(4):
-            response = await client.post("/v1/chat/completions", json=request_body())
-            reasons.append(response.headers["x-compaction-reason"])
-        assert reasons == [
-            "summarizer_http_500",
-            "summarizer_http_500",
-            "circuit_open",
-            "circuit_open",
-        ]
-        assert len(fake.summary_calls) == 2
-        assert len(fake.forwarded) == 4
+@pytest.mark.compaction_proxy(
+    compaction={"on_error": "reject", "summarizer": {"retries": 0}}, cache={"backend": "memory"}
+)
+async def test_on_error_reject_answers_502(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.summaries = lambda call: Error(500)
+    response = await proxy_client.post(CHAT, json=request_body())
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "compaction_failed"
+    assert response.headers["x-compaction-status"] == "failed"
+    assert fake_openai.chat_calls == []
 
 
-async def test_under_budget_passes_through(client: httpx.AsyncClient, fake: FakeUpstream) -> None:
+@pytest.mark.compaction_proxy(
+    compaction={"summarizer": {"retries": 0, "breaker_failures": 2, "breaker_cooldown_s": 600}},
+    cache={"backend": "memory"},
+)
+async def test_breaker_stops_calling_a_failing_summarizer(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.summaries = lambda call: Error(500)
+    reasons = []
+    for _ in range(4):
+        response = await proxy_client.post(CHAT, json=request_body())
+        reasons.append(response.headers["x-compaction-reason"])
+    assert reasons == [
+        "summarizer_http_500",
+        "summarizer_http_500",
+        "circuit_open",
+        "circuit_open",
+    ]
+    assert len(fake_openai.summarizer_calls) == 2
+    assert len(fake_openai.chat_calls) == 4
+
+
+async def test_under_budget_passes_through(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
     raw = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode()
-    response = await client.post("/v1/chat/completions", content=raw)
+    response = await proxy_client.post(CHAT, content=raw)
     assert response.headers["x-compaction-status"] == "passthrough"
-    assert fake.forwarded_raw == [raw]
-    assert fake.summary_calls == []
+    assert forwarded_raw(fake_openai) == [raw]
+    assert fake_openai.summarizer_calls == []
 
 
 async def test_off_header_disables_and_force_compacts_under_budget(
-    client: httpx.AsyncClient, fake: FakeUpstream
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
-    response = await client.post(
-        "/v1/chat/completions", json=request_body(), headers={"x-compaction": "off"}
-    )
+    response = await proxy_client.post(CHAT, json=request_body(), headers={"x-compaction": "off"})
     assert response.headers["x-compaction-status"] == "off"
-    assert fake.summary_calls == []
+    assert fake_openai.summarizer_calls == []
 
     small = {"model": "gpt-4o", "messages": conversation(turns=3, words=8)}
-    response = await client.post(
-        "/v1/chat/completions", json=small, headers={"x-compaction": "force"}
-    )
+    response = await proxy_client.post(CHAT, json=small, headers={"x-compaction": "force"})
     assert response.headers["x-compaction-status"] == "compacted"
-    assert len(fake.summary_calls) == 1
+    assert len(fake_openai.summarizer_calls) == 1
 
 
-async def test_budget_header_and_per_model_budget(upstream: respx.MockRouter) -> None:
-    fake = FakeUpstream().install(upstream)
-    per_model = {"models": {"gpt-4o-mini": {"budget_tokens": 50_000}}, "budget_tokens": 1000}
-    async for client in app_client(compaction=per_model, cache={"backend": "none"}):
-        response = await client.post("/v1/chat/completions", json=request_body())
-        assert response.headers["x-compaction-budget"] == "50000"
-        assert response.headers["x-compaction-status"] == "passthrough"
-        response = await client.post(
-            "/v1/chat/completions", json=request_body(), headers={"x-compaction-budget": "900"}
-        )
-        assert response.headers["x-compaction-budget"] == "900"
-        assert response.headers["x-compaction-status"] == "compacted"
-    assert len(fake.summary_calls) == 1
+@pytest.mark.compaction_proxy(compaction={"models": {"gpt-4o-mini": {"budget_tokens": 50_000}}})
+async def test_budget_header_and_per_model_budget(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    response = await proxy_client.post(CHAT, json=request_body())
+    assert response.headers["x-compaction-budget"] == "50000"
+    assert response.headers["x-compaction-status"] == "passthrough"
+    response = await proxy_client.post(
+        CHAT, json=request_body(), headers={"x-compaction-budget": "900"}
+    )
+    assert response.headers["x-compaction-budget"] == "900"
+    assert response.headers["x-compaction-status"] == "compacted"
+    assert len(fake_openai.summarizer_calls) == 1
 
 
-async def test_too_few_messages_is_skipped(client: httpx.AsyncClient, fake: FakeUpstream) -> None:
+async def test_too_few_messages_is_skipped(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
     body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "word " * 3000}]}
-    response = await client.post("/v1/chat/completions", json=body)
+    response = await proxy_client.post(CHAT, json=body)
     assert response.headers["x-compaction-status"] == "skipped"
     assert response.headers["x-compaction-reason"] == "nothing_to_compact"
-    assert fake.summary_calls == []
+    assert fake_openai.summarizer_calls == []
 
 
 async def test_no_progress_guard_skips_when_tail_alone_is_over_budget(
-    client: httpx.AsyncClient, fake: FakeUpstream
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
     messages = conversation(turns=4, words=8)
     messages[-1] = {"role": "user", "content": "huge paste " * 2000}
-    response = await client.post(
-        "/v1/chat/completions", json={"model": "gpt-4o", "messages": messages}
-    )
+    response = await proxy_client.post(CHAT, json={"model": "gpt-4o", "messages": messages})
     assert response.headers["x-compaction-status"] == "skipped"
     assert response.headers["x-compaction-reason"] == "preserved_over_budget"
-    assert fake.summary_calls == []
-    assert len(fake.forwarded) == 1
+    assert fake_openai.summarizer_calls == []
+    assert len(fake_openai.chat_calls) == 1
 
 
-async def test_summary_role_is_configurable(upstream: respx.MockRouter) -> None:
-    fake = FakeUpstream().install(upstream)
-    async for client in app_client(
-        compaction={"summary_role": "system"}, cache={"backend": "none"}
-    ):
-        await client.post("/v1/chat/completions", json=request_body())
-    summary = summary_of(fake.forwarded[0]["messages"])
+@pytest.mark.compaction_proxy(compaction={"summary_role": "system"})
+async def test_summary_role_is_configurable(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    await proxy_client.post(CHAT, json=request_body())
+    summary = summary_of(fake_openai.last_forwarded_messages)
     assert summary is not None and summary["role"] == "system"
 
 
-async def test_summarizer_settings_override_model_and_key(upstream: respx.MockRouter) -> None:
-    fake = FakeUpstream().install(upstream)
-    summarizer = {"model": "gpt-4.1-nano", "api_key": "sk-summarizer"}
-    async for client in app_client(
-        compaction={"summarizer": summarizer}, cache={"backend": "none"}
-    ):
-        await client.post(
-            "/v1/chat/completions",
-            json=request_body(),
-            headers={"authorization": "Bearer sk-client"},
-        )
-    assert fake.summary_calls[0]["model"] == "gpt-4.1-nano"
-    assert fake.summary_requests[0].headers["authorization"] == "Bearer sk-summarizer"
-    assert fake.forwarded_requests[0].headers["authorization"] == "Bearer sk-client"
+@pytest.mark.compaction_proxy(
+    compaction={"summarizer": {"model": "gpt-4.1-nano", "api_key": "sk-summarizer"}}
+)
+async def test_summarizer_settings_override_model_and_key(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    await proxy_client.post(
+        CHAT, json=request_body(), headers={"authorization": "Bearer sk-client"}
+    )
+    (summarizer,) = fake_openai.summarizer_calls
+    assert summarizer.model == "gpt-4.1-nano"
+    assert summarizer.headers["authorization"] == "Bearer sk-summarizer"
+    assert fake_openai.chat_calls[0].headers["authorization"] == "Bearer sk-client"
 
 
 async def test_compaction_log_line_has_no_content(
-    client: httpx.AsyncClient, fake: FakeUpstream, caplog: pytest.LogCaptureFixture
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("INFO", logger="proxy.compaction")
-    await client.post(
-        "/v1/chat/completions",
-        json=request_body(),
-        headers={"authorization": "Bearer sk-secret-key"},
+    await proxy_client.post(
+        CHAT, json=request_body(), headers={"authorization": "Bearer sk-secret-key"}
     )
     records = [r for r in caplog.records if r.name == "proxy.compaction"]
     assert len(records) == 1
