@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("upstream")
 
 
 def redis_quota(prefix: str, url: str | list[str] = "redis://127.0.0.1:6379/0") -> dict[str, Any]:
-    return {"backend": "redis", "redis_url": url, "key_prefix": prefix}
+    # A generous timeout: on a loaded machine a slow reply must not read as an outage.
+    return {"backend": "redis", "redis_url": url, "key_prefix": prefix, "socket_timeout_s": 5.0}
 
 
 async def test_requests_per_minute_gives_openai_429_with_retry_and_ratelimit_headers(
