@@ -6,8 +6,7 @@ import httpx
 import pytest
 import respx
 
-from proxy.app import create_app
-from tests.conftest import make_settings
+from proxy.testing import BrokenStream, FakeOpenAI
 
 
 def assert_envelope(
@@ -43,18 +42,17 @@ def assert_envelope(
     ],
 )
 async def test_bad_chat_bodies_are_400_with_envelope(
-    client: httpx.AsyncClient,
-    upstream: respx.MockRouter,
+    proxy_client: httpx.AsyncClient,
+    fake_openai: FakeOpenAI,
     raw: bytes,
     param: str | None,
     fragment: str,
 ) -> None:
-    route = upstream.post("/chat/completions").respond(json={})
-    response = await client.post("/v1/chat/completions", content=raw)
+    response = await proxy_client.post("/v1/chat/completions", content=raw)
     error = assert_envelope(response, 400, param)
     assert error["type"] == "invalid_request_error"
     assert fragment in str(error["message"])
-    assert not route.called
+    assert fake_openai.calls == []
 
 
 @pytest.mark.parametrize(
@@ -65,9 +63,9 @@ async def test_bad_chat_bodies_are_400_with_envelope(
     ],
 )
 async def test_bad_control_headers_are_400(
-    client: httpx.AsyncClient, upstream: respx.MockRouter, headers: dict[str, str], param: str
+    proxy_client: httpx.AsyncClient, headers: dict[str, str], param: str
 ) -> None:
-    response = await client.post(
+    response = await proxy_client.post(
         "/v1/chat/completions",
         json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
         headers=headers,
@@ -75,22 +73,22 @@ async def test_bad_control_headers_are_400(
     assert_envelope(response, 400, param)
 
 
-async def test_body_over_limit_is_413(upstream: respx.MockRouter) -> None:
-    app = create_app(make_settings(server={"max_body_bytes": 1000}))
-    route = upstream.post("/chat/completions").respond(json={})
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
-        big = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * 2000}]}
-        response = await c.post("/v1/chat/completions", json=big)
-        error = assert_envelope(response, 413)
-        assert "max_body_bytes" in str(error["message"])
+@pytest.mark.compaction_proxy(server={"max_body_bytes": 1000})
+async def test_body_over_limit_is_413(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    big = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x" * 2000}]}
+    response = await proxy_client.post("/v1/chat/completions", json=big)
+    error = assert_envelope(response, 413)
+    assert "max_body_bytes" in str(error["message"])
 
-        async def chunks():  # no content-length: the limit must still hold while streaming
-            for _ in range(5):
-                yield b"x" * 300
+    async def chunks():  # no content-length: the limit must still hold while streaming
+        for _ in range(5):
+            yield b"x" * 300
 
-        response = await c.post("/v1/chat/completions", content=chunks())
-        assert_envelope(response, 413)
-    assert not route.called
+    response = await proxy_client.post("/v1/chat/completions", content=chunks())
+    assert_envelope(response, 413)
+    assert fake_openai.calls == []
 
 
 async def test_upstream_unreachable_is_502_naming_host(
@@ -125,17 +123,10 @@ async def test_passthrough_unreachable_is_502(
 
 
 async def test_upstream_breaking_off_a_small_reply_is_502(
-    client: httpx.AsyncClient, upstream: respx.MockRouter
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
-    class Broken(httpx.AsyncByteStream):
-        async def __aiter__(self):  # type: ignore[no-untyped-def]
-            yield b'{"id": "chatcmpl'
-            raise httpx.RemoteProtocolError("peer closed connection")
-
-    upstream.post("/chat/completions").respond(
-        200, headers={"content-length": "100", "content-type": "application/json"}, stream=Broken()
-    )
-    response = await client.post(
+    fake_openai.replies = [BrokenStream()]  # a 200 whose JSON body stops half-way
+    response = await proxy_client.post(
         "/v1/chat/completions",
         json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
     )
