@@ -7,7 +7,8 @@ from __future__ import annotations
 from proxy.quota.ledger import USAGE_FIELDS, Ledger, LedgerUnavailable, UsageRow
 from proxy.quota.memory import MemoryLedger
 from proxy.quota.quotas import Quotas
-from proxy.settings import ConfigError, Settings
+from proxy.settings import Settings
+from proxy.store import redis_required
 
 __all__ = [
     "USAGE_FIELDS",
@@ -28,15 +29,9 @@ def create_ledger(settings: Settings) -> Ledger:
         backend = "redis" if settings.cache.backend == "redis" else "memory"
     if backend == "memory":
         return MemoryLedger(quota.usage_retention_days)
-    try:
+    with redis_required("quota.backend"):
         from proxy.quota.redis import RedisLedger
         from proxy.store.connect import connect
-    except ModuleNotFoundError as exc:
-        if exc.name is None or exc.name.partition(".")[0] != "redis":
-            raise
-        raise ConfigError(
-            "quota.backend = 'redis' needs the redis package: pip install 'compaction-proxy[redis]'"
-        ) from None
     url = quota.redis_url if quota.redis_url is not None else settings.cache.redis_url
     client = connect(url, socket_timeout_s=quota.socket_timeout_s)
     return RedisLedger(client, quota.key_prefix, retention_days=quota.usage_retention_days)

@@ -8,6 +8,9 @@ lazily, so this package works without the `redis` extra.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from proxy.settings import CacheSettings, ConfigError
 from proxy.store.chain import canonical, chain_hashes, namespace_for, scope_for
 from proxy.store.memory import MemoryStore
@@ -33,8 +36,23 @@ __all__ = [
     "chain_hashes",
     "create_store",
     "namespace_for",
+    "redis_required",
     "scope_for",
 ]
+
+
+@contextmanager
+def redis_required(setting: str) -> Iterator[None]:
+    """Around a lazy import of the redis backend: a missing `redis` package (the `redis` extra)
+    becomes one config line naming the setting that asked for it."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "redis":
+            raise
+        raise ConfigError(
+            f"{setting} = 'redis' needs the redis package: pip install 'compaction-proxy[redis]'"
+        ) from None
 
 
 def create_store(settings: CacheSettings) -> SummaryStore:
@@ -43,14 +61,8 @@ def create_store(settings: CacheSettings) -> SummaryStore:
         return NullStore()
     if settings.backend == "memory":
         return MemoryStore(settings.max_bytes, settings.ttl_s)
-    try:
+    with redis_required("cache.backend"):
         from proxy.store.redis import RedisStore
-    except ModuleNotFoundError as exc:
-        if exc.name is None or exc.name.partition(".")[0] != "redis":
-            raise
-        raise ConfigError(
-            "cache.backend = 'redis' needs the redis package: pip install 'compaction-proxy[redis]'"
-        ) from None
     from proxy.store.connect import connect, first_url, is_cluster
 
     url = settings.redis_url
