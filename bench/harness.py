@@ -13,6 +13,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ def _wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 3
 class Server:
     port: int
     pid: int
+    rest_mb: float = float("nan")  # VmRSS once listening, before any request
 
 
 def cpu_seconds(pid: int) -> float:
@@ -65,6 +67,51 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of a process in MB (Linux): now, and the peak since it started."""
+    found = {"VmRSS": float("nan"), "VmHWM": float("nan")}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in found:
+                found[name] = int(value.split()[0]) / 1024
+    except (OSError, ValueError):
+        pass
+    return found["VmRSS"], found["VmHWM"]
+
+
+class RssSampler:
+    """The highest VmRSS of a process seen while the block runs (sampled every `every` s).
+
+    VmHWM alone would also count start-up's transients (building a BPE table holds both
+    its Python and its Rust copy for a moment); a sample is what the process holds under load.
+    """
+
+    def __init__(self, pid: int | None, every: float = 0.05) -> None:
+        self.pid, self.every, self.peak = pid, every, float("nan")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        assert self.pid is not None
+        while True:
+            rss = memory_mb(self.pid)[0]
+            if not self.peak >= rss:  # also replaces the initial nan
+                self.peak = rss
+            if self._stop.wait(self.every):
+                return
+
+    def __enter__(self) -> RssSampler:
+        if self.pid is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.pid is not None:
+            self._thread.join()
+
+
 @contextmanager
 def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[Server]:
     """Run `cmd` (pinned to the server CPU) until the block ends."""
@@ -72,7 +119,9 @@ def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iter
     proc = subprocess.Popen(_pin(SERVER_CPU, cmd), env=full_env, cwd=ROOT)
     try:
         _wait_listening(port, proc)
-        yield Server(port, proc.pid)  # taskset execs, so this is the server's own pid
+        # uvicorn listens once the lifespan's start-up is done; taskset execs, so this is
+        # the server's own pid
+        yield Server(port, proc.pid, memory_mb(proc.pid)[0])
     finally:
         proc.terminate()
         try:
@@ -120,6 +169,7 @@ class Result:
     p99_ms: float
     errors: int
     cpu_us: float = float("nan")  # server CPU time per request, microseconds
+    rss_mb: float = float("nan")  # server's peak VmRSS sampled during the measured load
 
 
 def load(
@@ -139,14 +189,15 @@ def load(
     if stream:
         cmd.append("--stream")
     cpu0 = cpu_seconds(server_pid) if server_pid else float("nan")
-    out = subprocess.run(
-        _pin(CLIENT_CPU, cmd), cwd=ROOT, capture_output=True, text=True, check=True,
-        timeout=duration + warmup + 60,
-    )  # fmt: skip
+    with RssSampler(server_pid) as rss:
+        out = subprocess.run(
+            _pin(CLIENT_CPU, cmd), cwd=ROOT, capture_output=True, text=True, check=True,
+            timeout=duration + warmup + 60,
+        )  # fmt: skip
     data = json.loads(out.stdout)
     cpu = cpu_seconds(server_pid) - cpu0 if server_pid else float("nan")
     cpu_us = cpu / max(data["total"], 1) * 1e6
-    return Result(data["rps"], data["p50_ms"], data["p99_ms"], data["errors"], cpu_us)
+    return Result(data["rps"], data["p50_ms"], data["p99_ms"], data["errors"], cpu_us, rss.peak)
 
 
 def median_result(results: Sequence[Result]) -> Result:
@@ -157,6 +208,7 @@ def median_result(results: Sequence[Result]) -> Result:
         statistics.median(r.p99_ms for r in results),
         sum(r.errors for r in results),
         statistics.median(r.cpu_us for r in results),
+        max(r.rss_mb for r in results),  # the peak over repeats: memory is a ceiling
     )
 
 

@@ -11,6 +11,9 @@ backend at 127.0.0.1:6379 under a random prefix: the quota check, usage accounti
 usage tap on every request; compare with `proxy`, same run). Each is a uvicorn subprocess
 pinned to CPU 0; upstream and load generator share CPU 1 (see bench/harness.py). Repeats are
 interleaved across targets and the per-metric median is printed; added p50 = p50 - direct p50.
+`RSS MB` is the server's highest VmRSS sampled during the cell (max over repeats); a second
+table gives each server's VmRSS at rest (listening, before any request), its peak under
+load and its VmHWM at the end (start-up transients included), from /proc.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ def main() -> None:
                                 None if srv is None else srv.pid,
                             )  # fmt: skip
                             results.setdefault((label, conc, body, stream), []).append(r)
+        hwm = {label: harness.memory_mb(srv.pid)[1] for label, srv in targets.items() if srv}
 
     print(
         f"\noverhead: {args.repeats} interleaved repeat(s) x {args.duration}s, medians; "
@@ -100,7 +104,7 @@ def main() -> None:
         f"{harness.CLIENT_CPU}); servers={args.servers}"
     )
     header = ["target", "body", "stream", "conc", "req/s", "p50 ms", "p99 ms", "added p50 ms",
-              "req/s vs relay", "CPU us/req", "errors"]  # fmt: skip
+              "req/s vs relay", "CPU us/req", "RSS MB", "errors"]  # fmt: skip
     rows = []
     med = {key: harness.median_result(rs) for key, rs in results.items()}
     for body in args.body:
@@ -116,14 +120,45 @@ def main() -> None:
                         f"{r.p99_ms:.2f}",
                         "" if label == "direct" else f"{r.p50_ms - direct.p50_ms:+.2f}",
                         "" if relay is None or label == "direct" else f"{r.rps / relay.rps:.2f}x",
-                        "" if label == "direct" else f"{r.cpu_us:.0f}", str(r.errors),
+                        "" if label == "direct" else f"{r.cpu_us:.0f}",
+                        "" if label == "direct" else f"{r.rss_mb:.0f}", str(r.errors),
                     ])  # fmt: skip
     harness.print_table(header, rows)
+    _memory(med, targets, hwm, args)
     _drop_redis_keys(KEY_TARGETS["keys-redis"]["COMPACTION_PROXY_QUOTA__KEY_PREFIX"])
     if "proxy" in targets and any(t in targets for t in KEY_TARGETS):
         _key_goals(med, args, [t for t in KEY_TARGETS if t in targets])
     if "proxy" in targets and "small" in args.body and 1 in args.concurrency:
         _goals(med, args)
+
+
+def _memory(
+    med: dict[tuple[str, int, str, str], harness.Result],
+    targets: dict[str, harness.Server | None],
+    hwm: dict[str, float],
+    args: argparse.Namespace,
+) -> None:
+    """Each server's memory: at rest, under load (c=max), and the goals against the relay."""
+    top = max(args.concurrency)
+    print(f"\nmemory (MB, from /proc; under load = highest VmRSS sampled at c={top}):")
+    header = ["target", "VmRSS at rest", "VmRSS under load", "VmHWM at end"]
+    rows, loaded = [], {}
+    for label, srv in targets.items():
+        if srv is None:
+            continue
+        cells = [r.rss_mb for (t, c, _, _), r in med.items() if t == label and c == top]
+        loaded[label] = max(cells, default=float("nan"))
+        rows.append([label, f"{srv.rest_mb:.0f}", f"{loaded[label]:.0f}", f"{hwm[label]:.0f}"])
+    harness.print_table(header, rows)
+    proxy, relay = targets.get("proxy"), targets.get("relay")
+    if proxy is None or relay is None:
+        return
+    print("\ngoals (memory):")
+    print(f"  proxy VmRSS under c{top} load {loaded['proxy']:.0f} MB (goal <= 150 MB): "
+          f"{'PASS' if loaded['proxy'] <= 150 else 'FAIL'}")  # fmt: skip
+    ratio = proxy.rest_mb / relay.rest_mb
+    print(f"  proxy/relay VmRSS at rest {proxy.rest_mb:.0f}/{relay.rest_mb:.0f} MB = "
+          f"{ratio:.2f}x (goal <= 2x): {'PASS' if ratio <= 2 else 'FAIL'}")  # fmt: skip
 
 
 def _key_goals(

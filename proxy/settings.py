@@ -103,6 +103,10 @@ class TokenizerSettings(Section):
     # Where tiktoken's BPE files live; falls back to TIKTOKEN_CACHE_DIR, then tiktoken's default.
     cache_dir: str | None = None
     default_encoding: Literal["o200k_base", "cl100k_base"] = "o200k_base"
+    # Encodings built at start; any other is built the first time a model needs it (in a
+    # worker thread, ~0.1-0.3 s), its file only checked at start. Each costs ~20-40 MB of RSS.
+    # Unset: default_encoding, the [models] overrides' and the summarizer model's encodings.
+    preload: list[Literal["o200k_base", "cl100k_base"]] | None = None
     # "fail": refuse to start without the BPE files; "estimate": count ~4 chars/token and say so.
     on_missing: Literal["fail", "estimate"] = "fail"
     remote_image_tokens: int = Field(765, ge=0)

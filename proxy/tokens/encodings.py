@@ -18,6 +18,7 @@ import os
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -191,13 +192,53 @@ def parse_ranks(data: bytes) -> dict[bytes, int]:
     return ranks
 
 
+class CountingEncoding(tiktoken.Encoding):
+    """A tiktoken Encoding without tiktoken's Python copy of the ranks.
+
+    The Rust core keeps its own tables; tiktoken holds on to the Python dict only to pickle
+    the Encoding, and for o200k_base that dict is ~28 MB of RSS. Ours are never pickled (each
+    process builds its own from the verified files), so the dict goes once the core is built.
+    """
+
+    def __getstate__(self) -> object:
+        raise TypeError(f"{self.name} is built by proxy.tokens.encodings and is not picklable")
+
+
 def build(spec: EncodingSpec, data: bytes) -> tiktoken.Encoding:
-    return tiktoken.Encoding(
+    encoding = CountingEncoding(
         name=spec.name,
         pat_str=spec.pat_str,
         mergeable_ranks=parse_ranks(data),
         special_tokens=dict(spec.special_tokens),
     )
+    encoding._mergeable_ranks = {}
+    release_freed_memory()
+    return encoding
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap back to the OS (glibc keeps it otherwise: a few MB after a build).
+
+    Building an encoding frees a large, short-lived Python dict; without a trim the process
+    keeps those pages as RSS. A no-op where the C library has no malloc_trim.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = _find_malloc_trim()
+    _malloc_trim()
+
+
+def _find_malloc_trim() -> Callable[[], object]:
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim
+    except (ImportError, OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
+
+
+_malloc_trim: Callable[[], object] | None = None
 
 
 # Verified bytes are the same whatever their source, so one build per process serves every
@@ -206,16 +247,38 @@ _BUILT: dict[EncodingName, tiktoken.Encoding] = {}
 _BUILD_LOCK = threading.Lock()
 
 
+DEFAULT_SOURCES: tuple[Source, ...] = ("cache", "package", "tiktoken")
+
+
+def built(name: EncodingName) -> tiktoken.Encoding | None:
+    """The encoding when this process has built it already (no loading)."""
+    return _BUILT.get(name)
+
+
+def check_available(
+    name: EncodingName, cache_dir: Path | None, sources: tuple[Source, ...] = DEFAULT_SOURCES
+) -> Source:
+    """Fetch and verify the BPE file without building it (EncodingUnavailable otherwise).
+
+    For encodings loaded on first use: a missing file is found at start, as for the others,
+    but neither the build time nor the tables' memory is paid until a model needs them.
+    """
+    if name in _BUILT:
+        return "cache"
+    _, source = fetch(SPECS[name], cache_dir, sources)
+    return source
+
+
 def load_encoding(
     name: EncodingName,
     cache_dir: Path | None,
-    sources: tuple[Source, ...] = ("cache", "package", "tiktoken"),
+    sources: tuple[Source, ...] = DEFAULT_SOURCES,
 ) -> tiktoken.Encoding:
     with _BUILD_LOCK:
-        built = _BUILT.get(name)
-        if built is None:
+        found = _BUILT.get(name)
+        if found is None:
             spec = SPECS[name]
             data, source = fetch(spec, cache_dir, sources)
-            built = _BUILT[name] = build(spec, data)
+            found = _BUILT[name] = build(spec, data)
             logger.info("loaded %s from %s", name, source)
-        return built
+        return found

@@ -60,3 +60,18 @@ def encoding_for(model: str, settings: Settings) -> EncodingName:
 def is_gpt_4o_mini(model: str) -> bool:
     """gpt-4o-mini bills images at ~33x the tokens of gpt-4o (same price per image)."""
     return _GPT_4O_MINI.match(base_model(model)) is not None
+
+
+def preload_encodings(settings: Settings) -> set[EncodingName]:
+    """What to build at start: `tokenizer.preload`, or else what the configuration names
+    (the default, per-model overrides, the summarizer model's): requests for other families
+    build theirs on first use."""
+    config = settings.tokenizer
+    if config.preload is not None:
+        return set(config.preload)
+    wanted: set[EncodingName] = {config.default_encoding}
+    wanted.update(m.encoding for m in settings.models.values() if m.encoding is not None)
+    summarizer = settings.compaction.summarizer.model
+    if summarizer:
+        wanted.add(encoding_for(summarizer, settings))
+    return wanted
