@@ -112,6 +112,18 @@ class RssSampler:
             self._thread.join()
 
 
+def exit_status(pid: int) -> int | None:
+    """None while the server child `pid` runs; else its exit code (-N: killed by signal N).
+
+    Reaps the child: its Popen then reads as exited, so stopping it later signals nothing.
+    """
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return 0  # already reaped
+    return None if done == 0 else os.waitstatus_to_exitcode(status)
+
+
 @contextmanager
 def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[Server]:
     """Run `cmd` (pinned to the server CPU) until the block ends."""

@@ -112,7 +112,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             if now >= end:
                 break
             if proto is None or proto.lost.done():
-                _, proto = await loop.create_connection(ClientProtocol, args.host, args.port)
+                try:
+                    _, proto = await loop.create_connection(ClientProtocol, args.host, args.port)
+                except OSError:  # the server died: count it, keep the cell's clock running
+                    proto = None
+                    errors += now >= start
+                    await asyncio.sleep(0.05)
+                    continue
             t0 = time.perf_counter()
             try:
                 status = await proto.roundtrip(request)

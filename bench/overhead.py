@@ -8,9 +8,13 @@ pointed at the bench upstream; compaction on with the default budget, so the sma
 token bodies pass through after token counting), `keys-memory` / `keys-redis` (the same proxy
 with a proxy key that has every quota set, high enough never to refuse, memory or Redis quota
 backend at 127.0.0.1:6379 under a random prefix: the quota check, usage accounting and stream
-usage tap on every request; compare with `proxy`, same run). Each is a uvicorn subprocess
-pinned to CPU 0; upstream and load generator share CPU 1 (see bench/harness.py). Repeats are
-interleaved across targets and the per-metric median is printed; added p50 = p50 - direct p50.
+usage tap on every request; compare with `proxy`, same run), `litellm` (LiteLLM's proxy,
+pinned version, in its own venv, one worker, routed to the same upstream: bench/litellm_peer.py;
+bench/peers.py runs the comparison). Each is a server subprocess pinned to CPU 0; upstream
+and load generator share CPU 1 (see bench/harness.py). Repeats are interleaved across
+targets and the per-metric median is printed; added p50 = p50 - direct p50.
+A server that dies mid-run (LiteLLM once segfaulted under this load) is started again; its
+exit and the cell it died in are printed under the table, and its failed requests are errors.
 `RSS MB` is the server's highest VmRSS sampled during the cell (max over repeats); a second
 table gives each server's VmRSS at rest (listening, before any request), its peak under
 load and its VmHWM at the end (start-up transients included), from /proc.
@@ -21,11 +25,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import secrets
+import subprocess
+import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
 
-from bench import harness
+from bench import harness, litellm_peer
 
 TIKTOKEN_CACHE = harness.ROOT.parent / "shared" / "tiktoken-cache"
 
@@ -50,7 +61,11 @@ KEY_TARGETS: dict[str, dict[str, str]] = {
 }
 
 
-def main() -> None:
+Cell = tuple[str, int, str, str]  # target label, concurrency, body, stream
+
+
+def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
+    """Run the matrix, print the table; returns the medians (for bench/peers.py)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--body", nargs="+", choices=["small", "30k"], default=["small", "30k"])
@@ -59,44 +74,81 @@ def main() -> None:
     parser.add_argument(
         "--targets",
         nargs="+",
-        choices=["relay", "proxy", *KEY_TARGETS],
+        choices=["relay", "proxy", *KEY_TARGETS, "litellm"],
         default=["relay", "proxy"],
     )
+    parser.add_argument(
+        "--litellm-version", default=litellm_peer.PINNED_VERSION,
+        help="the litellm[proxy] release for the `litellm` target (installed if missing)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--litellm-venv", type=Path, default=None,
+        help="its venv (default: ~/.cache/compaction-proxy-bench/litellm-<version>)",
+    )  # fmt: skip
     parser.add_argument("--duration", type=float, default=2.0)
     parser.add_argument("--warmup", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    litellm_venv = None
+    if "litellm" in args.targets:
+        venv = args.litellm_venv or litellm_peer.default_venv(args.litellm_version)
+        litellm_venv = litellm_peer.ensure_venv(venv, args.litellm_version)
 
     env: dict[str, str] = {}
     if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
         env["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
     apps = {"relay": "bench.relay:create_app", "proxy": "proxy.app:create_app"}
-    results: dict[tuple[str, int, str, str], list[harness.Result]] = {}
+    results: dict[Cell, list[harness.Result]] = {}
+    incidents: list[str] = []  # servers that died, cells the load generator failed
     with harness.upstream() as up_port, contextlib.ExitStack() as stack:
         up_url = f"http://127.0.0.1:{up_port}"
         env |= {"BENCH_UPSTREAM": up_url, "COMPACTION_PROXY_UPSTREAM__BASE_URL": f"{up_url}/v1"}
         env |= {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
-        targets: dict[str, harness.Server | None] = {"direct": None}
+        launch: dict[str, Callable[[], AbstractContextManager[harness.Server]]] = {}
         for kind in args.servers:
             for name in args.targets:
-                port = harness.free_port()
                 label = name if args.servers == ["uvloop"] else f"{name}/{kind}"
-                cmd = harness.uvicorn_cmd(apps.get(name, apps["proxy"]), port, kind)
-                server_env = env | KEY_TARGETS.get(name, {})
-                targets[label] = stack.enter_context(harness.server(cmd, port, server_env))
-        for _ in range(args.repeats):
+                if name == "litellm":
+                    if "litellm" in launch:
+                        continue  # LiteLLM picks its own server: one row whatever --servers
+                    assert litellm_venv is not None
+                    conf = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "c.yaml"
+                    litellm_peer.write_config(conf, f"{up_url}/v1")
+                    launch["litellm"] = _launcher(
+                        lambda port, v=litellm_venv, c=conf: litellm_peer.command(v, c, port),
+                        env | litellm_peer.server_env(),
+                    )
+                    continue
+                app = apps.get(name, apps["proxy"])
+                launch[label] = _launcher(
+                    lambda port, a=app, k=kind: harness.uvicorn_cmd(a, port, k),
+                    env | KEY_TARGETS.get(name, {}),
+                )
+        targets: dict[str, harness.Server | None] = {"direct": None}
+        for label, start in launch.items():
+            targets[label] = stack.enter_context(start())
+        for repeat in range(1, args.repeats + 1):
             for body in args.body:
                 for stream in args.stream:
                     for conc in args.concurrency:
-                        for label, srv in targets.items():
+                        for label in list(targets):
+                            srv = targets[label]
+                            where = f"{label} body={body} stream={stream} c{conc} repeat {repeat}"
                             port = up_port if srv is None else srv.port
-                            r = harness.load(
-                                port, conc, body, stream == "yes", args.duration, args.warmup,
-                                None if srv is None else srv.pid,
+                            r = _load(
+                                incidents, where, port, conc, body, stream == "yes",
+                                args.duration, args.warmup, None if srv is None else srv.pid,
                             )  # fmt: skip
                             results.setdefault((label, conc, body, stream), []).append(r)
+                            status = None if srv is None else harness.exit_status(srv.pid)
+                            if status is not None:
+                                incidents.append(f"{where}: the server exited ({status}); "
+                                                 f"{r.errors} errors; started again")  # fmt: skip
+                                targets[label] = stack.enter_context(launch[label]())
         hwm = {label: harness.memory_mb(srv.pid)[1] for label, srv in targets.items() if srv}
 
+    if litellm_venv is not None:
+        print(f"\nversions: {_versions(litellm_venv)}")
     print(
         f"\noverhead: {args.repeats} interleaved repeat(s) x {args.duration}s, medians; "
         f"pinned={harness.PINNED}/{harness.PIN} (server CPU {harness.SERVER_CPU}, "
@@ -105,6 +157,9 @@ def main() -> None:
     )
     header = ["target", "body", "stream", "conc", "req/s", "p50 ms", "p99 ms", "added p50 ms",
               "req/s vs relay", "CPU us/req", "RSS MB", "errors"]  # fmt: skip
+    peer = "litellm" in targets
+    if peer:
+        header.insert(header.index("CPU us/req"), "req/s vs litellm")
     rows = []
     med = {key: harness.median_result(rs) for key, rs in results.items()}
     for body in args.body:
@@ -115,21 +170,75 @@ def main() -> None:
                     r = med[(label, conc, body, stream)]
                     relay_label = "relay" + label[len(label.split("/")[0]) :]
                     relay = med.get((relay_label, conc, body, stream))
-                    rows.append([
+                    row = [
                         label, body, stream, str(conc), f"{r.rps:,.0f}", f"{r.p50_ms:.2f}",
                         f"{r.p99_ms:.2f}",
                         "" if label == "direct" else f"{r.p50_ms - direct.p50_ms:+.2f}",
-                        "" if relay is None or label == "direct" else f"{r.rps / relay.rps:.2f}x",
+                        "" if relay is None or label == "direct" else ratio(r.rps, relay.rps),
                         "" if label == "direct" else f"{r.cpu_us:.0f}",
                         "" if label == "direct" else f"{r.rss_mb:.0f}", str(r.errors),
-                    ])  # fmt: skip
+                    ]  # fmt: skip
+                    if peer:
+                        lite = med[("litellm", conc, body, stream)]
+                        mine = label not in ("direct", "litellm")
+                        vs_lite = ratio(r.rps, lite.rps) if mine else ""
+                        row.insert(header.index("req/s vs litellm"), vs_lite)
+                    rows.append(row)
     harness.print_table(header, rows)
+    for line in incidents:
+        print(f"  ! {line}")
     _memory(med, targets, hwm, args)
-    _drop_redis_keys(KEY_TARGETS["keys-redis"]["COMPACTION_PROXY_QUOTA__KEY_PREFIX"])
+    if "keys-redis" in targets:
+        _drop_redis_keys(KEY_TARGETS["keys-redis"]["COMPACTION_PROXY_QUOTA__KEY_PREFIX"])
     if "proxy" in targets and any(t in targets for t in KEY_TARGETS):
         _key_goals(med, args, [t for t in KEY_TARGETS if t in targets])
     if "proxy" in targets and "small" in args.body and 1 in args.concurrency:
         _goals(med, args)
+    return med
+
+
+def _launcher(
+    cmd_for_port: Callable[[int], list[str]], env: dict[str, str]
+) -> Callable[[], AbstractContextManager[harness.Server]]:
+    """Starts the server on a fresh port each call (a restart after a crash gets a new one)."""
+
+    def start() -> AbstractContextManager[harness.Server]:
+        port = harness.free_port()
+        return harness.server(cmd_for_port(port), port, env)
+
+    return start
+
+
+def _load(
+    incidents: list[str], where: str, port: int, conc: int, body: str, stream: bool,
+    duration: float, warmup: float, pid: int | None,
+) -> harness.Result:  # fmt: skip
+    """One cell; a load generator that fails or hangs is an incident, not the end of the run."""
+    try:
+        return harness.load(port, conc, body, stream, duration, warmup, pid)
+    except (subprocess.SubprocessError, ValueError) as exc:
+        incidents.append(f"{where}: the load generator failed ({type(exc).__name__})")
+        return harness.Result(0.0, float("nan"), float("nan"), 1)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
+
+
+def _versions(litellm_venv: Path) -> str:
+    """What a re-run must match: both proxies' versions (ours with its commit), Python, box."""
+    ours = importlib.metadata.version("compaction-proxy")
+    commit = subprocess.run(
+        ["git", "-C", str(harness.ROOT), "describe", "--always", "--dirty"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    lite = litellm_peer.installed_version(litellm_venv)
+    cpus = len(os.sched_getaffinity(0))
+    return (
+        f"compaction-proxy {ours} ({commit or 'no git'}), LiteLLM {lite}, "
+        f"Python {platform.python_version()}, {platform.machine()} x {cpus} CPUs, "
+        f"{platform.system()} {platform.release()}"
+    )
 
 
 def _memory(
