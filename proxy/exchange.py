@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.auth import Caller
-from proxy.disconnect import cancel_on_disconnect
+from proxy.disconnect import DisconnectWatch
 from proxy.errors import ProxyError
 from proxy.headers import REQUEST_ID, Headers, client_headers_of
 from proxy.report import Outcome
@@ -147,6 +147,7 @@ class Exchange:
     """A route handler's view of its request. Build one at the top of the handler."""
 
     __slots__ = (
+        "_watch",
         "caller",
         "client_headers",
         "outcome",
@@ -168,6 +169,7 @@ class Exchange:
         self.request_id = record.request_id
         self.outcome: Outcome | None = None
         self.caller: Caller | None = None
+        self._watch: DisconnectWatch | None = None
 
     def admit(self) -> Caller:
         """Who is calling (raises a 401 ProxyError with keys on and no known key)."""
@@ -226,12 +228,19 @@ class Exchange:
         record.upstream_ttfb_s = time.perf_counter() - sent
         return response
 
+    def _watching(self) -> DisconnectWatch:
+        watch = self._watch
+        if watch is None:
+            watch = self._watch = DisconnectWatch(self.request.receive)
+        return watch
+
     async def guard(self, work: Callable[[], Awaitable[T]]) -> T:
         """Run `work()`, cancelled if the client disconnects (raises ClientDisconnected).
 
-        Only once the body has been read: see proxy.disconnect.
+        Only once the body has been read: see proxy.disconnect. Every guarded step of the
+        request and the relay of its reply share one watcher.
         """
-        return await cancel_on_disconnect(self.request.receive, work)
+        return await self._watching().run(work)
 
     async def relay(
         self,
@@ -241,18 +250,28 @@ class Exchange:
         *,
         watch: bool = True,
     ) -> Response:
-        """`watch`: a disconnect while a small reply is read whole aborts the upstream (only
-        once the request body has been read, as for `guard`)."""
-        receive = self.request.receive if watch else None
-        return await self.state.upstream.relay(
-            response, self.request_id, extra_headers, tap, receive=receive
-        )
+        """`watch`: a disconnect while the reply is read whole (small replies) or streamed
+        aborts the upstream (only once the request body has been read, as for `guard`)."""
+        watcher = self._watching() if watch else None
+        try:
+            return await self.state.upstream.relay(
+                response, self.request_id, extra_headers, tap, watch=watcher
+            )
+        except BaseException:
+            self._unwatch()
+            raise
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
 
     def error(self, exc: ProxyError, extra_headers: Mapping[str, str] | None = None) -> Response:
         """The error's envelope, with the request id (and any `extra_headers`)."""
+        self._unwatch()
         return exc.response({**(extra_headers or {}), REQUEST_ID: self.request_id})
 
     def disconnected(self) -> Response:
         """The client left before the upstream answered: 499, for the log and the metrics."""
+        self._unwatch()
         log.info("client disconnected before the upstream answered")
         return Response(status_code=499)

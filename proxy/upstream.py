@@ -12,10 +12,11 @@ from typing import Protocol
 
 import anyio
 import httpx
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from proxy.disconnect import cancel_on_disconnect
+from proxy.disconnect import DisconnectWatch
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.headers import (
     REQUEST_ID,
@@ -137,19 +138,20 @@ class Upstream:
         extra_headers: Mapping[str, str] | None = None,
         tap: ReplyTap | None = None,
         *,
-        receive: Receive | None = None,
+        watch: DisconnectWatch | None = None,
     ) -> Response:
         """The upstream's reply for the client, byte for byte (headers too).
 
         A small reply of known length (a typical non-streaming completion) is read whole and
         sent as one response: its bytes are already on their way, and it spares a streaming
-        task per request. While it is read, a client disconnect (seen through `receive`, when
-        the caller has finished reading the request body) aborts the upstream. Anything else
-        is streamed as it arrives. On every path the upstream response is closed: here, or
-        by the returned response once the server has run it.
+        task per request. Anything else is streamed as it arrives. With `watch` (the request's
+        disconnect watcher, once its body has been read), a client disconnect while the reply
+        is read or streamed aborts the upstream; the watcher is closed once the reply no longer
+        needs it. On every path the upstream response is closed: here, or by the returned
+        response once the server has run it.
         """
         try:
-            extra = dict(extra_headers or {})
+            extra = dict(extra_headers) if extra_headers else {}
             if REQUEST_ID not in upstream.headers:  # the upstream's own id wins
                 extra[REQUEST_ID] = request_id
             content_type = upstream.headers.get("content-type", "")
@@ -162,18 +164,20 @@ class Upstream:
                 chunks = _relay_body(upstream, self.host)
                 if tap is not None:
                     chunks = tap.relay(upstream.status_code, upstream.headers, chunks)
-                return RelayResponse(upstream, chunks, _client_headers(upstream, extra))
+                return RelayResponse(upstream, chunks, _client_headers(upstream, extra), watch)
         except BaseException:
+            if watch is not None:
+                watch.close()
             await _close(upstream)
             raise
-        return await self._relay_whole(upstream, extra, tap, receive)
+        return await self._relay_whole(upstream, extra, tap, watch)
 
     async def _relay_whole(
         self,
         upstream: httpx.Response,
         extra: dict[str, str],
         tap: ReplyTap | None,
-        receive: Receive | None,
+        watch: DisconnectWatch | None,
     ) -> Response:
         async def read() -> bytes:  # the wire bytes: no content-decoding
             if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
@@ -181,7 +185,7 @@ class Upstream:
             return b"".join([chunk async for chunk in upstream.aiter_raw()])
 
         try:
-            body = await (read() if receive is None else cancel_on_disconnect(receive, read))
+            body = await (read() if watch is None else watch.run(read))
             if tap is not None:
                 extra.update(tap.whole(upstream.status_code, upstream.headers, body))
             raw_headers = _client_headers(upstream, extra)
@@ -199,6 +203,8 @@ class Upstream:
                 code="upstream_broke_off",
             ).response(extra)
         finally:
+            if watch is not None:
+                watch.close()
             await _close(upstream)
         response = Response(body, upstream.status_code)
         response.raw_headers = raw_headers
@@ -215,19 +221,40 @@ def _client_headers(upstream: httpx.Response, extra: dict[str, str]) -> RawHeade
 
 class RelayResponse(StreamingResponse):
     """Streams the upstream's body; closes the upstream response however the send ends
-    (finished, failed, client gone, or cancelled before the first byte)."""
+    (finished, failed, client gone, or cancelled before the first byte).
+
+    With the request's disconnect watcher, the body is sent under it (a client that leaves
+    ends the relay and aborts the upstream); without one, Starlette listens for the
+    disconnect itself (a task group per response).
+    """
 
     def __init__(
-        self, upstream: httpx.Response, chunks: AsyncIterator[bytes], raw_headers: RawHeaders
+        self,
+        upstream: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        raw_headers: RawHeaders,
+        watch: DisconnectWatch | None = None,
     ) -> None:
         super().__init__(chunks, upstream.status_code)
         self.raw_headers = raw_headers
         self.upstream = upstream
+        self.watch = watch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = self.watch
         try:
-            await super().__call__(scope, receive, send)
+            if watch is None:
+                await super().__call__(scope, receive, send)
+                return
+            try:
+                await watch.run(lambda: self.stream_response(send))
+            except ClientDisconnected:
+                pass  # the status went out already; nobody is left to tell
+            except OSError:  # a server on ASGI spec 2.4 reports a gone client this way
+                raise ClientDisconnect() from None
         finally:
+            if watch is not None:
+                watch.close()
             await _close(self.upstream)
 
 
