@@ -17,9 +17,10 @@ from proxy.auth import Caller, ProxyKey, check_model
 from proxy.compactor import Control, model_of
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
+from proxy.jsonspans import Parsed, Spans
 from proxy.quota.quotas import reply_quota_headers
 from proxy.report import Outcome
-from proxy.validation import discard_messages, parse_chat_request, read_body
+from proxy.validation import discard_messages, parse_chat, read_body
 
 
 async def chat_completions(request: Request) -> Response:
@@ -27,7 +28,11 @@ async def chat_completions(request: Request) -> Response:
     state = exchange.state
 
     async def compact_and_forward(
-        body: dict[str, Any], content: bytes, caller: Caller, control: Control
+        body: dict[str, Any],
+        content: bytes,
+        caller: Caller,
+        control: Control,
+        parsed: Parsed,
     ) -> tuple[httpx.Response, dict[str, str]]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
         outcome = exchange.compacted(
@@ -38,6 +43,7 @@ async def chat_completions(request: Request) -> Response:
                     exchange.client_headers, exchange.request_id
                 ),
                 scope=state.gate.scope(caller, exchange.client_headers),
+                parsed=parsed,
             )
         )
         tokens = exchange.record.tokens_after
@@ -45,7 +51,7 @@ async def chat_completions(request: Request) -> Response:
             tokens = await state.counter.acount_request(body)
         quota = await state.quotas.charge(caller.key, tokens or 0)
         if outcome.messages is not None:
-            content = reencode(body, outcome.messages)
+            content = reencode(body, outcome.messages, content, parsed.spans)
         response = await exchange.open(
             "POST", "chat/completions", headers=exchange.upstream_headers(), content=content
         )
@@ -54,7 +60,8 @@ async def chat_completions(request: Request) -> Response:
     try:
         caller = exchange.admit()
         raw = await read_body(request, state.settings.server.max_body_bytes)
-        body = await parse_chat_request(raw, state.settings.server.max_messages)
+        body, spans = await parse_chat(raw, state.settings.server.max_messages)
+        parsed = Parsed(raw, spans)
         exchange.describe(body)
         control = parse_control(request)
         content, hide_usage = raw, False
@@ -65,7 +72,7 @@ async def chat_completions(request: Request) -> Response:
             if asked is not None:
                 (body, content), hide_usage = asked, True
         response, quota = await exchange.guard(
-            lambda: compact_and_forward(body, content, caller, control)
+            lambda: compact_and_forward(body, content, caller, control, parsed)
         )
         await discard_messages(body)  # sent: only `model` is read from here on
     except ProxyError as exc:
@@ -116,6 +123,16 @@ def _is_positive_integer(text: str) -> bool:
     return text.isascii() and text.isdigit() and int(text) > 0
 
 
-def reencode(body: dict[str, Any], messages: list[Any]) -> bytes:
-    """The client's body with only `messages` replaced; every other field kept as sent."""
+def reencode(
+    body: dict[str, Any],
+    messages: list[Any],
+    content: bytes | None = None,
+    spans: Spans | None = None,
+) -> bytes:
+    """The client's body with only `messages` replaced; every other field kept as sent, and
+    the client's own messages as their own bytes when `spans` knows them."""
+    if spans is not None and content is not None:
+        spliced = spans.splice(content, messages, jsonbytes.forwarded)
+        if spliced is not None:
+            return spliced
     return jsonbytes.forwarded({**body, "messages": messages})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -21,11 +22,19 @@ from proxy.compaction.protocol import Compaction, Cut, Message, SummarizerError
 from proxy.compaction.strategies import StrategyFactory, StrategyOptions, load_strategy
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
+from proxy.jsonspans import Parsed, Spans, spans_of
 from proxy.metrics import Metrics
 from proxy.planner import Budget, SummaryPlanner
 from proxy.report import Cache, Decision, Outcome
 from proxy.settings import ConfigError, Settings
-from proxy.store import NullStore, SummaryFlight, SummaryStore, namespace_for
+from proxy.store import (
+    CHAIN_VERSION,
+    ChainMemo,
+    NullStore,
+    SummaryFlight,
+    SummaryStore,
+    namespace_for,
+)
 
 log = logging.getLogger("proxy.compaction")
 
@@ -38,13 +47,15 @@ class PromptCounter(Protocol):
 
     def count_text(self, model: str, text: str) -> int: ...
 
-    def count_message(self, model: str, message: Any) -> int: ...
+    def count_message(self, model: str, message: Any, key: int | None = None) -> int: ...
 
     def count_messages(self, model: str, messages: list[Any]) -> int: ...
 
     def count_tools(self, model: str, body: dict[str, Any]) -> int: ...
 
-    async def acount_request(self, body: dict[str, Any]) -> int: ...
+    async def acount_request(
+        self, body: dict[str, Any], keys: Sequence[int | None] | None = None
+    ) -> int: ...
 
     def close(self) -> None: ...
 
@@ -76,6 +87,7 @@ class Job:
     client_headers: dict[str, str]
     scope: str | None  # the summary store tenant (None: no store)
     strategy: str | None = None  # None: compaction.strategy
+    spans: Spans | None = None  # where body["messages"] are in the client's bytes
 
     @property
     def messages(self) -> list[Message]:
@@ -98,7 +110,7 @@ class Compactor:
         self.client = client
         self.store = store
         self.metrics = metrics
-        self.planner = SummaryPlanner(store, SummaryFlight(store))
+        self.planner = SummaryPlanner(store, SummaryFlight(store), ChainMemo())
         unstored = NullStore()
         self.unstored_planner = SummaryPlanner(unstored, SummaryFlight(unstored))
         summarizer = settings.compaction.summarizer
@@ -120,9 +132,12 @@ class Compactor:
         *,
         client_headers: dict[str, str],
         scope: str | None,
+        parsed: Parsed | None = None,
     ) -> Outcome:
         """`client_headers`: what the summarizer call carries, as
-        `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant.
+        `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant;
+        `parsed`: the client's bytes and where the messages are in them (proxy.jsonspans);
+        when the step runs and they are not known yet, they are found and `parsed.spans` set.
 
         Raises ProxyError (502) when compaction failed and `on_error = "reject"`."""
         started = time.perf_counter()
@@ -132,9 +147,17 @@ class Compactor:
             outcome = Outcome(status="off")
             self.metrics.observe(outcome, time.perf_counter() - started)
             return outcome
-        tokens = await self.counter.acount_request(body)
+        spans = parsed.spans if parsed is not None else None
+        if spans is not None and body.get("messages") is not spans.messages:
+            spans = parsed = None  # not this body's messages
+        tokens = await self.counter.acount_request(body, spans.keys() if spans else None)
         budget = control.budget or config.budget_for(model)
         force = control.mode == "force"
+        if (tokens > budget or force) and parsed is not None and spans is None:
+            # The store keys hash the client's bytes of each message, whatever the body's size.
+            spans = parsed.spans = await spans_of(parsed.raw)
+            if spans is not None:
+                body["messages"] = spans.messages  # the same values, read from the same bytes
         if tokens > budget or force:
             job = Job(
                 body,
@@ -146,6 +169,7 @@ class Compactor:
                 client_headers,
                 scope,
                 control.strategy,
+                spans,
             )
             decision = await self.decide(job)
         else:
@@ -172,11 +196,15 @@ class Compactor:
         config = self.settings.compaction
         compaction = self.compaction_for(job.summarizer_model, job.strategy)
 
+        spans = job.spans
+
         def count_message(message: Message) -> int:
-            return self.counter.count_message(job.model, message)
+            key = None if spans is None else spans.key_of(message)
+            return self.counter.count_message(job.model, message, key)
 
         async def count(messages: list[Message]) -> int:
-            return await self.counter.acount_request({**job.body, "messages": messages})
+            keys = None if spans is None else spans.keys_for(messages)
+            return await self.counter.acount_request({**job.body, "messages": messages}, keys)
 
         cut = await off_loop(
             len(job.messages),
@@ -209,6 +237,7 @@ class Compactor:
                     lambda text: self.counter.count_text(job.model, text),
                 ),
                 force=job.force,
+                spans=spans,
             )
         except SummarizerError as error:
             cache: Cache | None = None if planner.store.available else "none"
@@ -238,7 +267,8 @@ class Compactor:
         summary = min(config.summary_max_tokens, job.budget // 4)
         fixed = self.counter.count_tools(job.model, job.body) + summary
         for message in job.messages:
-            fixed += self.counter.count_message(job.model, message)
+            key = None if job.spans is None else job.spans.key_of(message)
+            fixed += self.counter.count_message(job.model, message, key)
             if isinstance(message, dict) and message.get("role") == "user":
                 break  # the task, the first user message, is the last one kept up front
         room = job.budget - fixed
@@ -251,6 +281,7 @@ class Compactor:
             base_url=self.settings.compaction.summarizer.base_url
             or self.settings.upstream.base_url,
             strategy=compaction.fingerprint,
+            chain=CHAIN_VERSION,
         )
 
     def compaction_for(self, summarizer_model: str, strategy: str | None = None) -> Compaction:

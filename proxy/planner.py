@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import anyio.to_thread
@@ -34,14 +35,18 @@ from proxy.compaction.protocol import (
     Summary,
     Usage,
 )
+from proxy.jsonspans import Spans
 from proxy.report import Cache
-from proxy.store import StoredSummary, SummaryFlight, SummaryStore, chain_hashes
+from proxy.store import ChainMemo, StoredSummary, SummaryFlight, SummaryStore, chain_hashes
 
 CountMessages = Callable[[list[Message]], Awaitable[int]]
 
 PlanStatus = Literal["compacted", "extended", "reused", "over_budget"]
 # Moving the cut forward at most this many times before going straight to the last stop.
 _MAX_STEPS = 2
+# Bodies up to this size are hashed on the event loop when their bytes are known (SHA-256 of
+# every message, ~1 ms per MB, on a session's first turn; later turns hash only new ones).
+HASH_ON_LOOP_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,12 @@ class Budget:
 
 
 class SummaryPlanner:
-    def __init__(self, store: SummaryStore, flight: SummaryFlight) -> None:
+    def __init__(
+        self, store: SummaryStore, flight: SummaryFlight, memo: ChainMemo | None = None
+    ) -> None:
         self.store = store
         self.flight = flight
+        self.memo = memo
 
     async def plan(
         self,
@@ -81,12 +89,18 @@ class SummaryPlanner:
         namespace: str,
         budget: Budget,
         force: bool,
+        spans: Spans | None = None,
     ) -> Plan:
-        """Raises SummarizerError when a summary had to be made and could not be."""
+        """Raises SummarizerError when a summary had to be made and could not be.
+
+        `spans`: where the client's messages are in its body, to hash their bytes."""
         rest = cut.rest
         target, latest = cut.length, cut.latest
-        # Serializing every message costs ~0.7 ms per 400 KB: not on the event loop.
-        keys = await anyio.to_thread.run_sync(chain_hashes, scope, namespace, rest[:latest])
+        hashes = partial(chain_hashes, scope, namespace, rest[:latest], spans, self.memo)
+        if spans is not None and len(spans.raw) <= HASH_ON_LOOP_BYTES:
+            keys = hashes()
+        else:  # canonical JSON of every message costs ~10 ms per 400 KB: not on the loop
+            keys = await anyio.to_thread.run_sync(hashes)
         stored = [
             entry
             for entry in await self.store.lookup_all(keys, latest)

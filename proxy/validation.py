@@ -2,8 +2,11 @@
 
 The checks are the minimum the proxy needs to do its job (a JSON object with a list of
 messages that have roles, at most `server.max_messages` of them); everything else is the
-upstream's to judge, so we forward it. Bodies over `OFFLOAD_BYTES` are parsed in a worker
-thread by `proxy.jsonparse`, which lets the event loop run between messages.
+upstream's to judge, so we forward it. Bodies are parsed message by message by
+`proxy.jsonspans` (orjson per message, and where each message's bytes are); what it leaves
+to the stdlib goes to `json.loads`, or over `OFFLOAD_BYTES` to `proxy.jsonparse`. Bodies over
+`OFFLOAD_BYTES` are parsed in a worker thread, one message per GIL hold, so the event loop
+runs between messages.
 """
 
 from __future__ import annotations
@@ -16,12 +19,18 @@ from typing import Any
 import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
 
-from proxy import jsonparse
+from proxy import jsonparse, jsonspans
 from proxy.connections import read_timed_out
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
+from proxy.jsonspans import Spans
 
 # Below this, json.loads on the loop takes under ~2 ms; above, parsing leaves the loop.
 OFFLOAD_BYTES = 256 * 1024
+# Below this, json.loads is faster than knowing the spans; the compaction step asks for them
+# only when it runs (proxy.compactor), most small requests never do.
+SPANS_MIN_BYTES = 32 * 1024
+# The span parser gives up for messages smaller than this on average (the stdlib is faster).
+SPANS_MIN_AVERAGE = 256
 _FREE_SLICE = 1024  # messages freed per GIL hold (~0.1 ms)
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -91,9 +100,37 @@ def _type_name(value: object) -> str:
 
 async def parse_chat_request(raw: bytes, max_messages: int) -> dict[str, Any]:
     """parse_chat_body, in a worker thread when `raw` is big."""
+    body, _ = await parse_chat(raw, max_messages)
+    return body
+
+
+async def parse_chat(raw: bytes, max_messages: int) -> tuple[dict[str, Any], Spans | None]:
+    """parse_chat_spans (parse_chat_body for small bodies), in a worker thread when `raw`
+    is big."""
+    if len(raw) < SPANS_MIN_BYTES:
+        return parse_chat_body(raw, max_messages), None
     if len(raw) <= OFFLOAD_BYTES:
-        return parse_chat_body(raw, max_messages)
-    return await anyio.to_thread.run_sync(partial(parse_chat_body, raw, max_messages))
+        return parse_chat_spans(raw, max_messages)
+    return await anyio.to_thread.run_sync(partial(parse_chat_spans, raw, max_messages))
+
+
+def parse_chat_spans(raw: bytes, max_messages: int = 0) -> tuple[dict[str, Any], Spans | None]:
+    """parse_chat_body, with where each message is in `raw` when the span parser could tell
+    (proxy.jsonspans); same result, same errors."""
+    parsed = _spans_or_none(raw, max_messages)
+    if parsed is not None:
+        return parsed
+    return parse_chat_body(raw, max_messages), None
+
+
+def _spans_or_none(raw: bytes, max_messages: int) -> tuple[dict[str, Any], Spans] | None:
+    try:
+        parsed = jsonspans.loads_chat(raw, max_messages, SPANS_MIN_AVERAGE)
+    except jsonparse.TooManyItems:
+        raise too_many_messages(max_messages) from None
+    if parsed is not None:
+        check_chat_body(parsed[0], max_messages)
+    return parsed
 
 
 async def discard_messages(body: dict[str, Any]) -> None:
@@ -133,6 +170,12 @@ def parse_chat_body(raw: bytes, max_messages: int = 0) -> dict[str, Any]:
             f"The request body must be a JSON object, but got {_type_name(body)}.",
             code="invalid_type",
         )
+    check_chat_body(body, max_messages)
+    return body
+
+
+def check_chat_body(body: dict[str, Any], max_messages: int = 0) -> None:
+    """The checks on a parsed body: a non-empty `messages` array of objects with roles."""
     if "messages" not in body:
         raise bad_request(
             "Missing required parameter: 'messages'.",
@@ -172,7 +215,6 @@ def parse_chat_body(raw: bytes, max_messages: int = 0) -> dict[str, Any]:
                 param=f"messages[{index}].role",
                 code="invalid_value",
             )
-    return body
 
 
 def too_many_messages(limit: int) -> ProxyError:

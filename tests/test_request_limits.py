@@ -14,7 +14,7 @@ import respx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy import jsonparse
+from proxy import jsonparse, jsonspans
 from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.tokens import TokenCounter
@@ -116,10 +116,10 @@ class GatedCounter(TokenCounter):
         self.started = threading.Event()
         self.go = threading.Event()
 
-    def count_request(self, body: dict[str, Any]) -> int:
+    def count_request(self, body: dict[str, Any], keys: Any = None) -> int:
         self.started.set()
         assert self.go.wait(10), "the test never released the count"
-        return super().count_request(body)
+        return super().count_request(body, keys)
 
 
 async def test_healthz_answers_while_a_big_request_is_being_counted(fake: FakeUpstream) -> None:
@@ -137,18 +137,24 @@ async def test_healthz_answers_while_a_big_request_is_being_counted(fake: FakeUp
     counter.close()
 
 
+@pytest.mark.parametrize("parser", ["spans", "stdlib"])
 async def test_healthz_answers_while_a_big_body_is_being_parsed(
-    fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+    fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch, parser: str
 ) -> None:
+    """Either parser: the span parser, or the stdlib one when the span parser declines."""
     started, go = threading.Event(), threading.Event()
-    real = jsonparse.loads
+    module: Any = jsonspans if parser == "spans" else jsonparse
+    name = "loads_chat" if parser == "spans" else "loads"
+    real = getattr(module, name)
 
-    def gated(raw: bytes, **kwargs: Any) -> Any:
+    def gated(raw: bytes, *args: Any, **kwargs: Any) -> Any:
         started.set()
         assert go.wait(10), "the test never released the parse"
-        return real(raw, **kwargs)
+        return real(raw, *args, **kwargs)
 
-    monkeypatch.setattr(jsonparse, "loads", gated)
+    if parser == "stdlib":
+        monkeypatch.setattr(jsonspans, "loads_chat", lambda *args: None)
+    monkeypatch.setattr(module, name, gated)
     async for client, _ in serve(make_settings()):
         post = client.post(
             "/v1/chat/completions", json=chat(20_000), headers={"x-compaction": "off"}

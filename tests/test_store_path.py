@@ -304,3 +304,68 @@ async def test_long_tool_loop_after_one_user_message_still_compacts(fake: FakeUp
         assert results <= calls and calls <= results
     await memory_client.aclose()
     assert statuses.count("reused") > len(fake.summary_calls)
+
+
+async def test_a_client_that_re_serialises_its_history_misses_once_and_is_served(
+    memory_client: httpx.AsyncClient, fake: FakeUpstream
+) -> None:
+    """Keys hash the client's own bytes of each message: other bytes for the same messages
+    (key order, spacing, escapes) cost a store miss, never a wrong or broken request."""
+    history = agent_turns(40)[-1]
+    await send(memory_client, history)  # compact JSON, as httpx writes it
+    reordered = [dict(reversed(list(m.items()))) for m in history]
+    body = {"model": "gpt-4o-mini", "messages": reordered, "tools": TOOLS}
+    for expected in ("compacted", "reused"):
+        response = await memory_client.post(
+            "/v1/chat/completions",
+            content=json.dumps(body, indent=1, ensure_ascii=True),
+            headers={"authorization": "Bearer sk-a", "content-type": "application/json"},
+        )
+        assert response.status_code == 200
+        assert response.headers["x-compaction-status"] == expected
+    assert len(fake.summary_calls) == 2  # the re-serialised history paid once, then reused
+    first, second, third = (json.loads(raw) for raw in fake.forwarded_raw)
+    assert second == third
+    assert first["messages"][-3:] == history[-3:] == second["messages"][-3:]
+
+
+async def test_summaries_stored_under_the_old_key_format_are_missed_not_misread(
+    fake: FakeUpstream,
+) -> None:
+    """Before message bytes were hashed, keys chained canonical JSON under a namespace
+    without a chain version: such entries must never be found."""
+    import hashlib
+    import time
+
+    from proxy.compaction.protocol import Usage
+    from proxy.store import StoredSummary, canonical, namespace_for, scope_for
+
+    app = create_app(settings_for(backend="memory"))
+    state = app.state.proxy
+    compactor = state.compactor
+    history = agent_turns(40)[-1]
+    model = "gpt-4o-mini"
+    compaction = compactor.compaction_for(model)
+    old_namespace = namespace_for(
+        model=model,
+        base_url=state.settings.upstream.base_url,
+        strategy=compaction.fingerprint,
+    )
+    assert old_namespace != compactor.namespace(model, compaction)
+    scope = scope_for("sk-a", "credential")
+    assert scope is not None
+
+    def digest(data: bytes, person: bytes) -> bytes:
+        return hashlib.blake2b(data, digest_size=32, person=person).digest()
+
+    rest = [m for i, m in enumerate(history) if i > 0 or m["role"] not in ("system", "developer")]
+    current = digest(canonical([scope, old_namespace]), b"cp-chain-root")
+    for length, message in enumerate(rest, start=1):
+        current = digest(current + canonical(message), b"cp-chain")
+        old = StoredSummary("OLD SUMMARY", length, 3, Usage(), time.time())
+        await compactor.store.put(current.hex(), old)
+    async with await open_client(app) as client:
+        response = await send(client, history)
+    assert response.headers["x-compaction-status"] == "compacted"
+    assert response.headers["x-compaction-cache"] == "miss"
+    assert b"OLD SUMMARY" not in fake.forwarded_raw[0]

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from proxy.settings import CacheSettings, ConfigError
-from proxy.store.chain import canonical, chain_hashes, namespace_for, scope_for
+from proxy.store.chain import (
+    CHAIN_VERSION,
+    ChainMemo,
+    canonical,
+    chain_hashes,
+    namespace_for,
+    scope_for,
+)
 from proxy.store.memory import MemoryStore
 from proxy.store.protocol import (
     LockingStore,
@@ -24,6 +31,8 @@ from proxy.store.protocol import (
 from proxy.store.singleflight import SingleFlight, SummaryFlight
 
 __all__ = [
+    "CHAIN_VERSION",
+    "ChainMemo",
     "LockResult",
     "LockingStore",
     "MemoryStore",

@@ -4,17 +4,37 @@ The client resends its full history every turn, so a summary of messages[:k] is 
 recomputing the chain and probing the keys. Each key commits to the tenant scope, to everything
 that shapes a summary (the namespace) and to every byte of every message before it, so two
 different prefixes never share a key and one tenant can never compute another tenant's keys.
+
+A message is hashed as the client's own bytes when the body parser knows them
+(proxy.jsonspans), else as canonical JSON; the two are tagged apart, so they never collide.
+A client that re-serialises a message differently (other key order, spacing, escapes) gets
+other keys: a store miss, never a wrong summary. `ChainMemo` remembers the chain of a
+session's last request, so a turn hashes only its new messages.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from array import array
+from collections.abc import Sequence
 from typing import Literal
 
+from cachetools import LRUCache
+
 from proxy.compaction.protocol import Message
+from proxy.jsonspans import Spans
 
 _DIGEST_SIZE = 32
+# Part of every namespace: a change to how messages are hashed starts a new set of keys, so
+# summaries stored under the old hashing are missed, never misread.
+CHAIN_VERSION = "raw-bytes-v2"
+_RAW, _CANONICAL = b"r", b"c"
+# Links remembered across requests (32 bytes each: ~4 MB), least recently used out first.
+MEMO_LINKS = 131_072
+# A turn adds at most this many messages to the history the previous one sent.
+_LOOKBACK = 8
 
 
 def canonical(message: object) -> bytes:
@@ -64,14 +84,88 @@ def namespace_for(**parts: object) -> str:
     return _digest(canonical(parts), b"cp-namespace").hex()
 
 
-def chain_hashes(scope: str, namespace: str, messages: list[Message]) -> list[str]:
-    """hashes[i] is the key of messages[:i+1]; h_0 = H(scope, namespace), h_i = H(h_{i-1}, m_i).
+def chain_hashes(
+    scope: str,
+    namespace: str,
+    messages: Sequence[Message],
+    spans: Spans | None = None,
+    memo: ChainMemo | None = None,
+) -> list[str]:
+    """hashes[i] is the key of messages[:i+1]; h_0 = H(scope, namespace), h_i = H(h_{i-1}, m_i)
+    where m_i is "r" + SHA-256 of the client's bytes of the message (when `spans` has them)
+    or "c" + its canonical JSON.
 
-    h_{i-1} has a fixed length, so the concatenation is unambiguous.
+    h_{i-1} has a fixed length, so the concatenation is unambiguous. `memo`: start from the
+    longest chain remembered for a prefix of `messages` (keyed by the messages' byte keys).
     """
-    current = _digest(canonical([scope, namespace]), b"cp-chain-root")
-    hashes: list[str] = []
-    for message in messages:
-        current = _digest(current + canonical(message), b"cp-chain")
-        hashes.append(current.hex())
-    return hashes
+    root = _digest(canonical([scope, namespace]), b"cp-chain-root")
+    links = chain_links(root, messages, spans, memo)
+    hexed = links.hex()
+    size = 2 * _DIGEST_SIZE
+    return [hexed[i : i + size] for i in range(0, len(hexed), size)]
+
+
+def chain_links(
+    root: bytes, messages: Sequence[Message], spans: Spans | None, memo: ChainMemo | None
+) -> bytes:
+    """The chain after `root`, as one run of 32-byte links."""
+    keys = spans.keys_for(messages) if spans is not None else None
+    known = b""
+    if memo is not None and keys is not None and None not in keys:
+        known = memo.longest(root, keys)
+    start = len(known) // _DIGEST_SIZE
+    current = known[-_DIGEST_SIZE:] if known else root
+    links = [known]
+    for message in messages[start:]:
+        index = spans.index_of(message) if spans is not None else None
+        if spans is None or index is None:
+            link = _CANONICAL + canonical(message)
+        else:
+            link = _RAW + spans.digest(index)
+        current = _digest(current + link, b"cp-chain")
+        links.append(current)
+    chain = b"".join(links)
+    if memo is not None and keys is not None and None not in keys and start < len(messages):
+        memo.put(root, keys, chain, replaces=start)
+    return chain
+
+
+class ChainMemo:
+    """The chains of recent requests, by (root, the byte keys of their messages).
+
+    A hit is a prefix of the request's messages whose bytes hashed to the same 64-bit keys
+    (Python's per-process keyed hash, as the token memo's); the entry it extends is dropped,
+    so one session holds one entry. Bounded by links; safe across threads.
+    """
+
+    def __init__(self, max_links: int = MEMO_LINKS) -> None:
+        self._cache: LRUCache[bytes, bytes] = LRUCache(
+            maxsize=max_links * _DIGEST_SIZE, getsizeof=len
+        )
+        self._lock = threading.Lock()
+
+    def longest(self, root: bytes, keys: Sequence[int | None]) -> bytes:
+        """The links of the longest remembered prefix (within the last few messages)."""
+        with self._lock:
+            for drop in range(0, min(_LOOKBACK, len(keys)) + 1):
+                found = self._cache.get(_memo_key(root, keys[: len(keys) - drop]))
+                if found is not None:
+                    return found
+        return b""
+
+    def put(self, root: bytes, keys: Sequence[int | None], chain: bytes, replaces: int) -> None:
+        if len(chain) > self._cache.maxsize:
+            return
+        with self._lock:
+            if replaces:
+                self._cache.pop(_memo_key(root, keys[:replaces]), None)
+            self._cache[_memo_key(root, keys)] = chain
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+def _memo_key(root: bytes, keys: Sequence[int | None]) -> bytes:
+    """A digest of the keys, not their tuple: 16 bytes per entry instead of ~36 per message."""
+    packed = array("q", [k or 0 for k in keys]).tobytes()  # the memo only sees complete keys
+    return hashlib.blake2b(root + packed, digest_size=16).digest()

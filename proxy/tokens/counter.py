@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,10 +304,12 @@ class TokenCounter:
             return 0
         return self._text_counter(self._profile(model))(text)
 
-    def count_message(self, model: str, message: Any) -> int:
+    def count_message(self, model: str, message: Any, key: int | None = None) -> int:
+        """`key`: the message's own memo key (a hash of its bytes as the client sent them,
+        proxy.jsonspans), instead of one computed from its content."""
         profile = self._profile(model)
-        key = self._message_key(profile, message)
-        cached = None if key is None else self._memo.get(key)
+        key = self._message_key(profile, message) if key is None else key ^ profile.salt
+        cached = self._memo.get(key) if key is not None else None
         if cached is not None:
             return cached
         return self._compute_message(profile, message, key, self._text_counter(profile))
@@ -318,16 +320,20 @@ class TokenCounter:
     def count_tools(self, model: str, body: dict[str, Any]) -> int:
         return self._count_tools(self._profile(model), body)
 
-    def count_request(self, body: dict[str, Any]) -> int:
-        """The prompt tokens of a whole request; TooManyTokens past `max_request_tokens`."""
+    def count_request(self, body: dict[str, Any], keys: Sequence[int | None] | None = None) -> int:
+        """The prompt tokens of a whole request; TooManyTokens past `max_request_tokens`.
+
+        `keys`: per message, its own memo key (see count_message) or None."""
         if not isinstance(body, dict):
             return 0
         profile = self._profile(body.get("model"))
         limit = self._config.max_request_tokens
-        total = self._count_messages(profile, body.get("messages"), limit)
+        total = self._count_messages(profile, body.get("messages"), limit, keys)
         return _checked(total + self._count_tools(profile, body), limit)
 
-    async def acount_request(self, body: dict[str, Any]) -> int:
+    async def acount_request(
+        self, body: dict[str, Any], keys: Sequence[int | None] | None = None
+    ) -> int:
         """Like count_request; uncached work over `offload_chars`, and every request with more
         than OFFLOAD_MESSAGES messages, is counted in the thread pool."""
         if not isinstance(body, dict):
@@ -336,10 +342,10 @@ class TokenCounter:
         loop = asyncio.get_running_loop()
         await self._ensure_encoder(body.get("model"), pool)
         if pool is not None and len(_as_list(body.get("messages"))) > OFFLOAD_MESSAGES:
-            return await loop.run_in_executor(pool, self.count_request, body)
+            return await loop.run_in_executor(pool, self.count_request, body, keys)
         profile = self._profile(body.get("model"))
         limit = self._config.max_request_tokens
-        total, misses, whole = self._lookup(profile, body.get("messages"))
+        total, misses, whole = self._lookup(profile, body.get("messages"), keys)
         _checked(total, limit)
         if pool is None or sum(_chars(m) for m in misses.messages) < self._config.offload_chars:
             total = self._compute_batch(profile, misses, total, limit)
@@ -366,12 +372,22 @@ class TokenCounter:
         digest = content_key(message)
         return None if digest is None else digest ^ profile.salt
 
-    def _lookup(self, profile: _Profile, messages: object) -> tuple[int, _Misses, int | None]:
+    def _lookup(
+        self, profile: _Profile, messages: object, given: Sequence[int | None] | None = None
+    ) -> tuple[int, _Misses, int | None]:
         """Reply priming plus the memoized counts, the messages still to count (with keys),
-        and the key under which to remember this list's sum (None: uncacheable)."""
+        and the key under which to remember this list's sum (None: uncacheable).
+
+        `given`: the messages' own keys where known (None: computed from the content)."""
         items = _as_list(messages)
         salt = profile.salt
-        keys = [None if (d := content_key(m)) is None else d ^ salt for m in items]
+        if given is None or len(given) != len(items):
+            keys = [None if (d := content_key(m)) is None else d ^ salt for m in items]
+        else:
+            keys = [
+                (None if (d := content_key(m)) is None else d ^ salt) if k is None else k ^ salt
+                for m, k in zip(items, given, strict=True)
+            ]
         total = chat.REPLY_PRIMING
         start = 0
         if None not in keys:
@@ -395,8 +411,14 @@ class TokenCounter:
         whole = None if None in keys else hash(tuple(keys)) ^ _PREFIX_SALT
         return total, misses, whole
 
-    def _count_messages(self, profile: _Profile, messages: object, limit: int = 0) -> int:
-        total, misses, whole = self._lookup(profile, messages)
+    def _count_messages(
+        self,
+        profile: _Profile,
+        messages: object,
+        limit: int = 0,
+        keys: Sequence[int | None] | None = None,
+    ) -> int:
+        total, misses, whole = self._lookup(profile, messages, keys)
         _checked(total, limit)
         return self._remember(whole, self._compute_batch(profile, misses, total, limit))
 

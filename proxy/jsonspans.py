@@ -1,0 +1,226 @@
+"""A chat body parsed message by message, remembering where each message's bytes are.
+
+An agent resends its whole history every turn, so most of a long body is bytes the proxy
+has seen before. Knowing each message's span in the client's own bytes lets the request
+path hash those bytes (the summary store's prefix keys, the token memo's keys) instead of
+re-serialising every message, and forward kept messages as the client wrote them.
+
+How: the `messages` array is split at the candidate ends of its elements (`}` then `,` and
+the next `{"`, or `}` then the array's `]` and what may follow it), and each candidate span
+is parsed on its own with orjson (C, ~1 GB/s). A span that is not a whole element (a
+candidate inside a string or a nested array) fails to parse and the next candidate is
+tried: JSON objects are prefix-free, so the first span that parses is the element. The
+rest of the body (model, tools, options) is parsed by the stdlib with the array replaced
+by a sentinel, which must come back as the top-level `messages` value.
+
+What orjson refuses (lone surrogates `"\\ud800"`, NaN, numbers out of range) is parsed by
+the stdlib, element by element, so the result equals `json.loads`; except that an integer
+beyond 64 bits inside a message reads as a float (orjson's reading). The proxy reads no
+numbers from messages and forwards the client's bytes, so nothing a user sees changes.
+Anything else unusual (no `messages` array at the top, an empty one, an element that is not
+an object, invalid JSON) answers None: the caller parses the whole body the old way, which
+also words the error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio.to_thread
+import orjson
+
+from proxy.jsonparse import TooManyItems
+
+_WS = rb"[ \t\n\r]*"
+_FIELD = re.compile(rb'"messages"' + _WS + rb":" + _WS + rb"(\[)" + _WS)
+# The end of one element: `}` then `,` before the next `{"`, or `}` then `]` before the
+# top level goes on (`,"key"`) or ends (`}`). Lookaheads: the match ends at `,` or `]`.
+_END = re.compile(
+    rb"\}"
+    + _WS
+    + rb"(?:,(?="
+    + _WS
+    + rb"\{"
+    + _WS
+    + rb'")|(\])(?='
+    + _WS
+    + rb"(?:,"
+    + _WS
+    + rb'"|\}'
+    + _WS
+    + rb"\Z)))"
+)
+_OPEN = re.compile(_WS + rb"\{")
+_TRUNCATED = "unexpected end of data"  # orjson's words for a span cut short
+# The array's stand-in when the rest of the body is parsed: no client can guess it.
+_SENTINEL = f"\x00cp-messages-{secrets.token_hex(8)}"
+_SENTINEL_JSON = json.dumps(_SENTINEL).encode()
+_RAW_SALT = hash("raw-message")
+_CHECK_EVERY = 512  # messages between checks of their average size
+_OFFLOAD_BYTES = 256 * 1024  # bigger bodies are parsed in a worker thread by spans_of
+
+
+@dataclass(eq=False)
+class Spans:
+    """Where each message of `messages` (the body's own list) is in `raw`."""
+
+    raw: bytes
+    open: int  # index of the array's `[`
+    close: int  # index just after its `]`
+    starts: list[int]
+    ends: list[int]
+    messages: list[Any]
+    _keys: list[int] | None = field(default=None, repr=False)
+    _index: dict[int, int] | None = field(default=None, repr=False)
+
+    def view(self, index: int) -> memoryview:
+        return memoryview(self.raw)[self.starts[index] : self.ends[index]]
+
+    def keys(self) -> list[int]:
+        """A 64-bit key per message: Python's keyed hash of its bytes (salted apart from
+        other key kinds). Equal bytes, equal key; a re-serialised message gets another."""
+        if self._keys is None:
+            view = memoryview(self.raw)
+            salt = _RAW_SALT
+            self._keys = [
+                hash(view[a:b]) ^ salt for a, b in zip(self.starts, self.ends, strict=True)
+            ]
+        return self._keys
+
+    def index_of(self, message: object) -> int | None:
+        """The position of `message` (this very object) in the body, None if it is not one
+        of the client's messages (a summary, a copy)."""
+        if self._index is None:
+            self._index = {id(m): i for i, m in enumerate(self.messages)}
+        index = self._index.get(id(message))
+        if index is None or self.messages[index] is not message:
+            return None
+        return index
+
+    def key_of(self, message: object) -> int | None:
+        index = self.index_of(message)
+        return None if index is None else self.keys()[index]
+
+    def keys_for(self, messages: Sequence[object]) -> list[int | None]:
+        """The key of each of `messages` that is one of the client's; None for the others."""
+        keys = self.keys()
+        found: list[int | None] = []
+        for message in messages:
+            index = self.index_of(message)
+            found.append(None if index is None else keys[index])
+        return found
+
+    def digest(self, index: int) -> bytes:
+        """SHA-256 of the message's bytes (SHA-NI makes it the fastest digest here)."""
+        return hashlib.sha256(self.view(index)).digest()
+
+    def splice(
+        self, content: bytes, messages: Sequence[Any], encode: Callable[[Any], bytes]
+    ) -> bytes | None:
+        """`content` (the client's body, or one that only differs after the array) with the
+        array replaced by `messages`: the client's messages as their own bytes, any other
+        one through `encode`. None when `content` no longer holds the array where `raw` did."""
+        raw = self.raw
+        if content is not raw and not content.startswith(memoryview(raw)[: self.close]):
+            return None
+        parts: list[bytes | memoryview] = []
+        for message in messages:
+            index = self.index_of(message)
+            parts.append(encode(message) if index is None else self.view(index))
+        view = memoryview(content)
+        return b"".join((view[: self.open], b"[", b",".join(parts), b"]", view[self.close :]))
+
+
+@dataclass(eq=False)
+class Parsed:
+    """A request's bytes and, once known, where its messages are in them."""
+
+    raw: bytes
+    spans: Spans | None = None
+
+
+def loads_chat(
+    raw: bytes, max_items: int = 0, min_average: int = 0
+) -> tuple[dict[str, Any], Spans] | None:
+    """The body and its message spans; None: parse it another way (see the module doc).
+
+    Raises TooManyItems as soon as `messages` has more than `max_items` (0: no limit).
+    `min_average`: give up (None) once the messages so far average fewer bytes than this;
+    for tiny messages the stdlib parser is faster (a call per message costs ~1.5 us here)."""
+    found = _FIELD.search(raw)
+    if found is None:
+        return None
+    element = found.end()
+    if raw[element : element + 1] != b"{":
+        return None
+    view = memoryview(raw)
+    messages: list[Any] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    search = _END.search
+    wasted, allowance = 0, 2 * len(raw) + (1 << 16)  # spans tried that were not elements
+    position = element
+    while True:
+        match = search(raw, position)
+        if match is None:
+            return None
+        end = match.start() + 1
+        value = _element(view[element:end])
+        if value is None:
+            wasted += end - element
+            if wasted > allowance:
+                return None
+            position = end
+            continue
+        messages.append(value)
+        starts.append(element)
+        ends.append(end)
+        if max_items and len(messages) > max_items:
+            raise TooManyItems("messages", max_items)
+        count = len(messages)
+        if min_average and not count % _CHECK_EVERY and end - starts[0] < min_average * count:
+            return None
+        if match.group(1) is not None:
+            close = match.end()
+            break
+        opened = _OPEN.match(raw, match.end())
+        if opened is None:  # cannot happen: the lookahead saw it
+            return None
+        element = position = opened.end() - 1
+    try:
+        body = json.loads(b"".join((view[: found.start(1)], _SENTINEL_JSON, view[close:])))
+    except (ValueError, RecursionError):
+        return None
+    if type(body) is not dict or body.get("messages") != _SENTINEL:
+        return None  # the array was not the top-level `messages` (or a later one replaced it)
+    body["messages"] = messages
+    return body, Spans(raw, found.start(1), close, starts, ends, messages)
+
+
+async def spans_of(raw: bytes) -> Spans | None:
+    """Where the messages of a body (already parsed and checked some other way) are in `raw`;
+    None: this parser cannot tell. In a worker thread when `raw` is big."""
+    if len(raw) <= _OFFLOAD_BYTES:
+        parsed = loads_chat(raw)
+    else:
+        parsed = await anyio.to_thread.run_sync(loads_chat, raw)
+    return None if parsed is None else parsed[1]
+
+
+def _element(piece: memoryview) -> Any:
+    """The element `piece` holds, or None if it is not a whole JSON value."""
+    try:
+        return orjson.loads(piece)
+    except orjson.JSONDecodeError as exc:
+        if str(exc).startswith(_TRUNCATED):
+            return None
+    try:  # what orjson refuses and the stdlib reads: lone surrogates, NaN, 1e400
+        return json.loads(bytes(piece))
+    except (ValueError, RecursionError):
+        return None

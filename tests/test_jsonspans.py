@@ -1,0 +1,172 @@
+"""The span parser: the same body as json.loads, and each message's own bytes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy import jsonbytes
+from proxy.chat import reencode
+from proxy.jsonparse import TooManyItems
+from proxy.jsonspans import loads_chat
+from proxy.store.chain import ChainMemo, chain_hashes
+from proxy.validation import parse_chat_spans
+
+texts = st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from('}{],["\\\n'))
+values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False)
+    | texts,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+    max_leaves=12,
+)
+messages = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"])},
+    optional={"content": values, "tool_calls": st.lists(values, max_size=3), "x": values},
+)
+FORMATS = [
+    {"separators": (",", ":"), "ensure_ascii": False},
+    {"separators": (", ", ": ")},
+    {"indent": 2},
+]
+
+
+def encoded(body: Any, form: dict[str, Any]) -> bytes:
+    return json.dumps(body, **form).encode("utf-8", "surrogatepass")
+
+
+@given(
+    st.lists(messages, min_size=1, max_size=6),
+    st.dictionaries(st.sampled_from(["model", "tools", "z", "stream"]), values, max_size=3),
+    st.sampled_from(FORMATS),
+)
+def test_span_parser_equals_json_loads_and_spans_are_the_messages(
+    history: list[dict[str, Any]], rest: dict[str, Any], form: dict[str, Any]
+) -> None:
+    raw = encoded({**rest, "messages": history}, form)
+    parsed = loads_chat(raw)
+    if parsed is None:  # allowed (the stdlib then parses), but not for ordinary bodies
+        assert '"messages"' in json.dumps(rest)
+        return
+    body, spans = parsed
+    assert body == json.loads(raw)
+    assert list(body) == list(json.loads(raw))
+    assert [json.loads(bytes(spans.view(i))) for i in range(len(history))] == history
+
+
+def test_what_orjson_refuses_is_read_by_the_stdlib_with_its_span() -> None:
+    history = [
+        {"role": "user", "content": "a lone \ud800 surrogate"},
+        {"role": "user", "content": "fine"},
+    ]
+    raw = json.dumps({"model": "m", "messages": history, "n": float("nan")}).encode()
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+    parsed = loads_chat(raw)
+    assert parsed is not None
+    body, spans = parsed
+    assert body["messages"] == history
+    assert bytes(spans.view(0)) == b'{"role": "user", "content": "a lone \\ud800 surrogate"}'
+    assert repr(body["n"]) == "nan"
+
+
+def test_integers_beyond_64_bits_outside_messages_stay_exact() -> None:
+    raw = b'{"seed": 123456789012345678901234567890, "messages": [{"role": "user"}]}'
+    parsed = loads_chat(raw)
+    assert parsed is not None and parsed[0]["seed"] == 123456789012345678901234567890
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"tools": [{"messages": [{"role": "x"}]}], "messages": [{"role": "user"}]}',
+        b'{"messages": [{"role": "user"}], "messages": [{"role": "assistant"}]}',
+        b'{"messages": []}',
+        b'{"messages": ["hi"]}',
+        b'{"messages": [{"role": "user"}, {}]}',
+        b'{"messages": [{"role": "user"}] x',
+        b'\xef\xbb\xbf{"messages": [{"role": "user"}]}',
+    ],
+)
+def test_unusual_bodies_are_left_to_the_stdlib_parser(raw: bytes) -> None:
+    parsed = loads_chat(raw)
+    if parsed is not None:  # then it must be exactly what json.loads reads
+        assert parsed[0] == json.loads(raw)
+    try:
+        expected: Any = json.loads(raw)
+    except ValueError:
+        expected = None
+    history = expected.get("messages") if isinstance(expected, dict) else None
+    if isinstance(history, list) and history and all(isinstance(m, dict) and m for m in history):
+        body, _ = parse_chat_spans(raw)
+        assert body == expected
+
+
+def test_too_many_messages_stops_early() -> None:
+    raw = json.dumps({"messages": [{"role": "user", "content": "x"}] * 10}).encode()
+    with pytest.raises(TooManyItems):
+        loads_chat(raw, max_items=3)
+
+
+def test_tiny_messages_are_left_to_the_stdlib_when_asked() -> None:
+    raw = json.dumps({"messages": [{"role": "user", "content": "x"}] * 2000}).encode()
+    assert loads_chat(raw, min_average=256) is None
+    assert loads_chat(raw) is not None
+
+
+def test_forwarded_body_keeps_the_clients_bytes_of_kept_messages() -> None:
+    history = [
+        {"role": "user", "content": "task \ud800"},
+        {"content": "é", "role": "assistant"},
+        {"role": "user", "content": "latest"},
+    ]
+    raw = json.dumps({"model": "m", "messages": history, "seed": 2**70}, indent=1).encode()
+    parsed = loads_chat(raw)
+    assert parsed is not None
+    body, spans = parsed
+    summary = {"role": "user", "content": "summary \udfff"}
+    out = reencode(body, [summary, body["messages"][1], body["messages"][2]], raw, spans)
+    out.decode("utf-8")  # valid UTF-8
+    assert bytes(spans.view(1)) in out  # "\u00e9" as the client escaped it
+    assert b'"summary \\udfff"' in out
+    assert json.loads(out) == {**json.loads(raw), "messages": [summary, *history[1:]]}
+    # Without the spans (or with other bytes), the whole body is re-encoded.
+    other = reencode(body, [summary], jsonbytes.forwarded(body), spans)
+    assert json.loads(other)["messages"] == [summary]
+
+
+def test_chain_memo_gives_the_same_keys_and_hashes_only_new_messages() -> None:
+    history = [{"role": "user", "content": f"message {i}"} for i in range(20)]
+    memo = ChainMemo()
+
+    def keys(count: int) -> tuple[list[str], int]:
+        raw = json.dumps({"messages": history[:count]}).encode()
+        parsed = loads_chat(raw)
+        assert parsed is not None
+        _, spans = parsed
+        hashed: list[int] = []
+        digest = spans.digest
+
+        def counted(index: int) -> bytes:
+            hashed.append(index)
+            return digest(index)
+
+        spans.digest = counted  # type: ignore[method-assign]
+        with_memo = chain_hashes("s", "n", spans.messages, spans, memo)
+        count_hashed = len(hashed)
+        assert with_memo == chain_hashes("s", "n", spans.messages, spans)
+        return with_memo, count_hashed
+
+    first, hashed = keys(10)
+    assert hashed == 10
+    second, hashed = keys(12)
+    assert hashed == 2 and second[:10] == first
+    assert len(memo) == 1  # the extended entry replaced the one it extended
+    assert chain_hashes("other", "n", history) != chain_hashes("s", "n", history)
