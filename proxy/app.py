@@ -37,6 +37,7 @@ from proxy.tokens import TokenCounter
 from proxy.transport import ServedTransport, create_upstream_client, upstream_limits
 from proxy.upstream import Upstream
 from proxy.usage import Meter, Pricing
+from proxy.warmup import start_probe, warm_up
 
 log = logging.getLogger("proxy.app")
 
@@ -88,11 +89,17 @@ def create_app(
         log.info("proxying to %s", redact_url(settings.upstream.base_url))
         if served is not None:
             served.serve()
+        await warm_up(app, state, served)
+        probe = None
+        if served is not None and served.served:
+            probe = await start_probe(readiness, settings.server.warm_probe_s)
         reload_on_sighup(state.gate.source)
         try:
             async with metrics.running():
                 yield
         finally:
+            if probe is not None:
+                probe.cancel()
             await state.meter.join()
             await ledger.close()
             await client.aclose()

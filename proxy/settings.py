@@ -62,6 +62,10 @@ class ServerSettings(Section):
     log_format: Literal["text", "json"] = "text"
     # How long /readyz keeps each dependency's answer (one probe per period, however polled).
     readiness_cache_s: float = Field(5.0, ge=0)
+    # At start, run the /readyz checks once (kept like any /readyz answer): the upstream probe
+    # leaves a pooled connection open, so the first request does not open one. The start waits
+    # for it at most this many seconds (then it goes on in the background); 0: no start probe.
+    warm_probe_s: float = Field(0.0, ge=0, le=10)
     # Worker processes (uvicorn workers sharing the port). Each has its own memory store and
     # circuit breaker; cache.backend = "redis" shares summaries between them.
     workers: int = Field(1, ge=1, le=256)

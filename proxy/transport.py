@@ -258,8 +258,14 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             self._timeouts[key] = timeout
         return timeout
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        loop = asyncio.get_running_loop()
+    def warm(self) -> None:
+        """Build the pool and its session in the running loop now, not on the first request
+        (the TLS context alone, certifi's bundle loaded, takes ~20 ms)."""
+        self._bind_loop(asyncio.get_running_loop())
+        if self._session is None or self._session.closed:
+            self._session = self._new_session()
+
+    def _bind_loop(self, loop: asyncio.AbstractEventLoop) -> _Slots:
         if self._loop is not loop or self._slots is None:
             # Lazily, in the running loop: the app builds its client before the loop starts,
             # and in-process tests may run it in more than one loop.
@@ -268,7 +274,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 self._session = None
             self._slots = _Slots(self._limits.max_connections or 1 << 30)
             self._loop = loop
-        slots = self._slots
+        return self._slots
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        slots = self._bind_loop(asyncio.get_running_loop())
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         await slots.acquire(timeouts.get("pool"))
         try:
@@ -358,9 +367,18 @@ class ServedTransport(httpx.AsyncBaseTransport):
     def served(self) -> bool:
         return self._served is not None
 
+    @property
+    def limits(self) -> httpx.Limits:
+        return self._limits
+
     def serve(self) -> None:
         if self._served is None:
             self._served = UpstreamTransport(self._limits)
+
+    def warm(self) -> None:
+        """Once served: the pool's session built in the running loop (see UpstreamTransport)."""
+        if self._served is not None:
+            self._served.warm()
 
     @property
     def slots(self) -> PoolSlots | None:

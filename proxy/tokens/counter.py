@@ -57,6 +57,7 @@ _PREFIX_SALT = hash("prefix")
 PREFIX_LOOKBACK = 4
 # Above this many messages, even computing memo keys costs milliseconds: all of it leaves the loop.
 OFFLOAD_MESSAGES = 1024
+_WARM_TEXT = "Warm-up: ünïcödé 漢字 👍 `x = f(y)**2`\n\t 123 4567 can't"
 # Texts longer than this are encoded in slices (cut at a space when there is one; a slice
 # boundary can shift the count by a token), so a token limit stops a 60 MB text early.
 SLICE_CHARS = 1 << 20
@@ -354,6 +355,12 @@ class TokenCounter:
             total = await loop.run_in_executor(pool, job, profile, misses, total, limit)
         total = self._remember(whole, total)
         return _checked(total + self._count_tools(profile, body), limit)
+
+    def warm(self) -> None:
+        """Encode once with each built encoding on this thread, ahead of the first request:
+        tiktoken's regex builds its matching state per thread on first use."""
+        for encoder in list(self._encoders.values()):
+            encoder.encode_ordinary(_WARM_TEXT)
 
     def close(self) -> None:
         self._closed = True

@@ -1,0 +1,236 @@
+"""Where the proxy's memory goes, and what its first request costs after a start.
+
+    python -m bench.memory                  # both parts below
+    python -m bench.memory breakdown        # RSS step by step in one process, tracemalloc top
+    python -m bench.memory first [--starts 5] [--requests 50]
+
+`breakdown` builds the proxy in this process as `serve` does and prints VmRSS after each
+step: the interpreter, each heavy import, the settings, each BPE encoding (tiktoken keeps
+its tables in Rust, where tracemalloc cannot see them, so RSS deltas are the measure), the
+app, its start-up warm-up, then the count memo filled to its configured cap, and the top
+Python allocations that tracemalloc attributes (imports and tables excluded: it starts after
+them). Each import is measured in import order, so a module shared with an earlier one is
+counted there.
+
+`first` starts `compaction-proxy serve` `--starts` times (a fresh process each) against
+bench/upstream.py and times request 1 against the median of requests 2..N on one keep-alive
+connection (opened before the clock starts), for a small chat body, non-streaming and
+streaming. Goal: request 1 within 2x of a warm one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import http.client
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import harness
+
+TIKTOKEN_CACHE = harness.ROOT.parent / "shared" / "tiktoken-cache"
+HEAVY_IMPORTS = [
+    "ssl", "httpx", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
+    "pydantic_settings", "aiohttp", "tiktoken", "prometheus_client", "cachetools",
+    "proxy.settings", "proxy.tokens", "proxy.compactor", "proxy.app", "proxy.cli",
+]  # fmt: skip
+
+
+def _rss_mb() -> float:
+    return harness.memory_mb(os.getpid())[0]
+
+
+def breakdown(args: argparse.Namespace) -> None:
+    rows: list[list[str]] = []
+    last = _rss_mb()
+    first = last
+
+    def step(what: str, detail: str = "") -> None:
+        nonlocal last
+        gc.collect()
+        now = _rss_mb()
+        rows.append([what, f"{now:.1f}", f"{now - last:+.1f}", detail])
+        last = now
+
+    step("interpreter (python -c pass, + bench.harness)")
+    for name in HEAVY_IMPORTS:
+        started = time.perf_counter()
+        importlib.import_module(name)
+        step(f"import {name}", f"{(time.perf_counter() - started) * 1000:.0f} ms")
+
+    import asyncio
+
+    from proxy.settings import Settings
+    from proxy.tokens import TokenCounter, encodings
+
+    settings = Settings.model_validate(
+        {"upstream": {"base_url": "http://127.0.0.1:9/v1"}, "tokenizer": args.tokenizer}
+    )
+    step("settings", "defaults + tokenizer " + json.dumps(args.tokenizer))
+    cache = encodings.resolve_cache_dir(settings.tokenizer.cache_dir)
+    for name in encodings.SPECS:
+        started = time.perf_counter()
+        encodings.load_encoding(name, cache)
+        step(f"build {name} (Rust tables)", f"{(time.perf_counter() - started) * 1000:.0f} ms")
+    encodings._BUILT.clear()  # the app below builds only what it needs, from scratch
+    gc.collect()
+    encodings.release_freed_memory()
+    step("both encodings dropped again")
+
+    from proxy.app import create_app
+
+    started = time.perf_counter()
+    app = create_app(settings)
+    counter = app.state.proxy.counter
+    loaded = ",".join(sorted(getattr(counter, "loaded", ())))
+    step("create_app (builds the preloaded encodings)",
+         f"{(time.perf_counter() - started) * 1000:.0f} ms; built: {loaded}")  # fmt: skip
+
+    async def run_lifespan() -> None:
+        async with app.router.lifespan_context(app):
+            step("lifespan start-up (warm-up)")
+
+    asyncio.run(run_lifespan())
+
+    assert isinstance(counter, TokenCounter)
+    cap = settings.tokenizer.memo_max_entries
+    memo = counter._memo
+    import tracemalloc
+
+    tracemalloc.start(5)
+    base = 1 << 62
+    for i in range(cap):
+        memo.put(base + i * 7919, 10 + i % 5000)
+    step(f"count memo at its cap ({len(memo):,} entries)")
+    rows[-1][3] = f"{float(rows[-1][2]) * 1048576 / max(len(memo), 1):.0f} B/entry"
+    snapshot = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    memo.clear()
+    step("count memo cleared")
+
+    print(f"\nmemory breakdown (VmRSS MB, this process; started at {first:.1f} MB)")
+    harness.print_table(["step", "VmRSS", "delta", "note"], rows)
+    print("\ntracemalloc top allocations while the memo filled (by line):")
+    for stat in snapshot.statistics("lineno")[: args.top]:
+        frame = stat.traceback[0]
+        where = f"{Path(frame.filename).name}:{frame.lineno}"
+        print(f"  {stat.size / 1048576:7.1f} MB  {stat.count:>9,} blocks  {where}")
+
+
+# -- first request -------------------------------------------------------------------------
+
+_BODY = {
+    "model": "gpt-4o-mini",
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Say hello."},
+    ],
+}
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` so far, in ns (schedstat: exact, unlike ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that just ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def _timed_requests(port: int, pid: int, stream: bool, count: int) -> list[tuple[float, float]]:
+    """(wall ms, server CPU ms) of each request; CPU is steadier on a busy box."""
+    body = json.dumps({**_BODY, "stream": stream}).encode()
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.connect()
+    times = []
+    try:
+        for _ in range(count):
+            cpu = _cpu_ns(pid)
+            started = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body, headers)
+            response = conn.getresponse()
+            response.read()
+            wall = (time.perf_counter() - started) * 1000
+            times.append((wall, (_cpu_ns(pid) - cpu) / 1e6))
+            if response.status != 200:
+                raise RuntimeError(f"status {response.status}")
+    finally:
+        conn.close()
+    return times
+
+
+def first_request(args: argparse.Namespace) -> dict[str, Any]:
+    env = {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
+        env["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
+    runs: dict[bool, list[list[tuple[float, float]]]] = {False: [], True: []}
+    rest: list[float] = []
+    with harness.upstream() as up_port:
+        env["COMPACTION_PROXY_UPSTREAM__BASE_URL"] = f"http://127.0.0.1:{up_port}/v1"
+        for start in range(args.starts):
+            for stream in (False, True):  # each kind's first request in its own process
+                port = harness.free_port()
+                cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)]
+                with harness.server(cmd, port, env) as srv:
+                    rest.append(srv.rest_mb)
+                    runs[stream].append(_timed_requests(port, srv.pid, stream, args.requests))
+            print(f"  start {start + 1}/{args.starts} done", file=sys.stderr)
+    print(f"\nfirst request after start: {args.starts} fresh `serve` processes per kind, "
+          f"request 1 vs requests 2..{args.requests} on one keep-alive connection; medians "
+          "over starts of wall ms and server CPU ms (all threads, /proc schedstat)")  # fmt: skip
+    rows, ratios = [], {}
+    for stream in (False, True):
+        cells = []
+        for which in (0, 1):  # wall, cpu
+            first = statistics.median(run[0][which] for run in runs[stream])
+            warm = statistics.median(statistics.median(t[which] for t in run[1:])
+                                     for run in runs[stream])  # fmt: skip
+            cells += [f"{first:.2f}", f"{warm:.2f}", f"{first / warm:.2f}x"]
+            if which == 0:
+                ratios[stream] = first / warm
+        rows.append(["yes" if stream else "no", *cells])
+    header = ["stream", "request 1 ms", "warm ms", "ratio", "request 1 CPU ms", "warm CPU ms",
+              "CPU ratio"]  # fmt: skip
+    harness.print_table(header, rows)
+    print(f"VmRSS at rest after start: median {statistics.median(rest):.0f} MB")
+    for stream, ratio in ratios.items():
+        print(f"  stream={'yes' if stream else 'no'}: request 1 / warm {ratio:.2f}x "
+              f"(goal <= 2x): {'PASS' if ratio <= 2 else 'FAIL'}")  # fmt: skip
+    return {"ratios": ratios}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("part", nargs="?", choices=["breakdown", "first", "all"], default="all")
+    parser.add_argument("--starts", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--top", type=int, default=8, help="tracemalloc lines to print")
+    parser.add_argument(
+        "--tokenizer", type=json.loads, default={}, help="tokenizer settings as JSON"
+    )
+    args = parser.parse_args()
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
+    if args.part in ("breakdown", "all"):
+        # A fresh interpreter, so imports are measured from nothing.
+        if args.part == "all":
+            cmd = [sys.executable, "-m", "bench.memory", "breakdown", "--top", str(args.top),
+                   "--tokenizer", json.dumps(args.tokenizer)]  # fmt: skip
+            subprocess.run(cmd, cwd=harness.ROOT, check=True)
+        else:
+            breakdown(args)
+    if args.part in ("first", "all"):
+        first_request(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Start-up work a first request would otherwise pay (~40 ms against ~1 ms warm).
+
+Run by the lifespan before the server listens, so no request waits for it:
+
+- the upstream pool's session (its TLS context loads certifi's bundle, ~20 ms);
+- anyio's event-loop backend (imported on first use by the request path's task groups);
+- each built encoding's first encode (tiktoken's regex state);
+- a rehearsal: a few chat requests, plain and streamed, through a second app built from the
+  same settings (and the same token counter) against a throwaway upstream on 127.0.0.1. It
+  runs the request path's code (middleware, parsing, counting, compaction step, the aiohttp
+  pool, the relay) until Python has specialised it, without touching the real app's
+  metrics, logs, store, quotas or pool: nothing is sent to the upstream. Skipped with
+  `--workers` (prometheus' multiprocess files are shared by every app in a process);
+- the app's own middleware stack (Starlette builds it on the first request);
+- last, a full garbage collection, and what survives it frozen (`gc.freeze`): start-up
+  leaves ~10^5 long-lived objects that the cyclic GC would otherwise scan in full during some
+  early request (several ms).
+
+Only a served app (uvicorn ran the lifespan and the app has its own transport) rehearses
+and freezes; in-process use (tests, an injected transport) gets the cheap steps only.
+
+With `server.warm_probe_s` set, `start_probe` then runs the /readyz checks once, which leaves
+the upstream pool a connection (off by default: the upstream then sees a request that no
+client sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import time
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+
+from proxy.logs import access_log
+from proxy.metrics import multiprocess_dir
+from proxy.readiness import Readiness
+from proxy.settings import AuthSettings, CacheSettings, QuotaSettings, ServerSettings
+from proxy.state import ProxyState
+from proxy.transport import ServedTransport
+
+log = logging.getLogger("proxy.app")
+
+REHEARSALS = 10  # per kind (plain, streamed): CPython specialises code after a few runs
+_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Say hello, warm-up ünïcödé 漢字."},
+]
+_REPLY = json.dumps(
+    {
+        "id": "chatcmpl-warm-up",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "warm-up",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello!"},
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22},
+    }
+).encode()  # fmt: skip
+_CHUNK = json.dumps(
+    {
+        "id": "chatcmpl-warm-up",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "warm-up",
+        "choices": [{"index": 0, "delta": {"content": "Hello!"}, "finish_reason": None}],
+    }
+).encode()
+_SSE = b"data: " + _CHUNK + b"\n\ndata: " + _CHUNK + b"\n\ndata: [DONE]\n\n"
+
+
+async def warm_up(app: Starlette, state: ProxyState, transport: ServedTransport | None) -> float:
+    """Seconds spent. Failures are logged and skipped: warming must never stop a start."""
+    started = time.perf_counter()
+    serving = transport is not None and transport.served  # else in-process, under tests
+    try:
+        if transport is not None and serving:
+            transport.warm()
+        async with anyio.create_task_group():  # imports anyio's asyncio backend (~15 ms)
+            pass
+        warm = getattr(state.counter, "warm", None)
+        if callable(warm):
+            warm()
+        if serving and multiprocess_dir() is None:
+            await rehearse(state)
+        if app.middleware_stack is None:
+            app.middleware_stack = app.build_middleware_stack()
+    except Exception:
+        log.warning("start-up warm-up failed; the first request pays for it", exc_info=True)
+    if serving:
+        gc.collect()
+        gc.freeze()
+    return time.perf_counter() - started
+
+
+async def rehearse(state: ProxyState, rounds: int = REHEARSALS) -> None:
+    """Chat requests through an app of its own (see the module docstring)."""
+    from proxy.app import create_app  # the app module imports this one
+
+    server = await asyncio.start_server(_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    settings = state.settings
+    settings = settings.model_copy(
+        update={
+            "upstream": settings.upstream.model_copy(
+                update={"base_url": f"http://127.0.0.1:{port}/v1"}
+            ),
+            "server": ServerSettings(),  # body limits and such: a rehearsal must pass them
+            "auth": AuthSettings(),
+            "quota": QuotaSettings(backend="memory"),
+            "cache": CacheSettings(backend="memory"),
+        }
+    )
+    transport = ServedTransport(httpx.Limits(max_connections=4))
+    transport.serve()
+    app = create_app(settings, counter=state.counter, transport=transport)
+    was_disabled, access_log.disabled = access_log.disabled, True
+    try:
+        asgi = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=asgi, base_url="http://warm-up") as client:
+            for _ in range(rounds):
+                for stream in (False, True):
+                    body = {"model": "warm-up", "messages": _MESSAGES, "stream": stream}
+                    await client.post("/v1/chat/completions", json=body)
+    finally:
+        access_log.disabled = was_disabled
+        await app.state.proxy.upstream.client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def start_probe(readiness: Readiness, wait_s: float) -> asyncio.Task[object] | None:
+    """The /readyz checks once, now: the upstream probe opens the pool's first connection
+    (and Redis', when configured), and its answer is kept like any probe's, so a load
+    balancer's first poll costs the upstream nothing more. Waits up to `wait_s`, so a slow
+    or absent upstream delays the start by no more than that; the task is returned to be
+    cancelled at shutdown when it is still running."""
+    if wait_s <= 0:
+        return None
+    task: asyncio.Task[object] = asyncio.create_task(readiness.report())
+    done, _ = await asyncio.wait({task}, timeout=wait_s)
+    if done and task.exception() is not None:
+        log.warning("start-up readiness probe failed: %r", task.exception())
+    return None if done else task
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A minimal HTTP/1.1 upstream: a JSON reply, or SSE for a body asking to stream."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            body = await reader.readexactly(length)
+            sse = b'"stream":true' in body.replace(b" ", b"")
+            payload = _SSE if sse else _REPLY
+            kind = b"text/event-stream" if sse else b"application/json"
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: " + kind
+                + b"\r\ncontent-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+            )  # fmt: skip
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+        pass
+    finally:
+        writer.close()
