@@ -1,14 +1,16 @@
 """How much slower than no proxy, and than LiteLLM? The published comparison, one command.
 
-    python -m bench.peers [--repeats 3] [--duration 2] [--litellm-venv PATH]
+    python -m bench.peers [--repeats 3] [--duration 5] [--warmup 1] [--litellm-venv PATH]
 
 bench/overhead.py's matrix with targets direct (the bench upstream alone), relay (the bare
 Starlette + httpx relay), proxy (this proxy, default settings) and litellm (LiteLLM's proxy,
 pinned release, its own venv created on first use, its own config: bench/litellm_peer.py),
 small and ~30k-token bodies, streaming off and on, concurrency 1 and 64, repeats interleaved
-across targets, medians. Every server gets CPU 0 to itself in turn; upstream and load
-generator share CPU 1. Then the answer: per cell, what each proxy adds to direct's p50 and
-how this proxy's req/s, CPU per request and RSS compare with LiteLLM's.
+across targets, medians (~15 min with the defaults on 2 vCPUs; 5 s cells because LiteLLM
+at concurrency 64 takes 0.6-1.4 s per request, and 64 streams served together end together).
+Every server gets CPU 0 to itself in turn; upstream and load generator share CPU 1. Then
+the answer: per cell, what each proxy adds to direct's p50 and how this proxy's req/s, CPU
+per request and RSS compare with LiteLLM's.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--body", nargs="+", choices=["small", "30k"], default=["small", "30k"])
     parser.add_argument("--stream", nargs="+", choices=["no", "yes"], default=["no", "yes"])
-    parser.add_argument("--duration", type=float, default=2.0)
-    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--litellm-version", default=litellm_peer.PINNED_VERSION)
     parser.add_argument("--litellm-venv", type=Path, default=None)
