@@ -18,7 +18,6 @@ from proxy.compactor import Control, model_of
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
 from proxy.jsonspans import Parsed, Spans
-from proxy.quota.quotas import reply_quota_headers
 from proxy.report import Outcome
 from proxy.validation import discard_messages, parse_chat, read_body
 
@@ -82,7 +81,7 @@ async def chat_completions(request: Request) -> Response:
     headers = exchange.compaction_headers()
     if caller.key is None:
         return await exchange.relay(response, headers)
-    headers.update(reply_quota_headers(quota))
+    headers.update(quota)
     outcome = exchange.outcome or Outcome()
     tap = state.meter.tap(caller.key.id, model_of(body), outcome, hide_usage=hide_usage)
     return await exchange.relay(response, headers, tap)

@@ -17,7 +17,6 @@ from proxy.auth import check_model
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
 from proxy.paths import upstream_path
-from proxy.quota.quotas import reply_quota_headers
 from proxy.report import Outcome
 from proxy.upstream import RequestContent
 from proxy.usage import ChatTap
@@ -70,7 +69,7 @@ async def passthrough(request: Request) -> Response:
         return exchange.error(exc)
     except ClientDisconnected:
         return exchange.disconnected()
-    return await exchange.relay(response, reply_quota_headers(quota), tap, watch=watch)
+    return await exchange.relay(response, quota, tap, watch=watch)
 
 
 def model_in(content: bytes) -> str:

@@ -31,6 +31,8 @@ class Caller:
     # Replaces the client's credential upstream; None: forward the client's own (no keys).
     upstream_api_key: str | None
     summarizer_api_key: str | None
+    # The summary store's scope when it follows the key (see Gate.scope); made once per key.
+    key_scope: str | None = None
 
     @property
     def key_id(self) -> str | None:
@@ -66,6 +68,7 @@ class Gate:
         self._anonymous = Caller(
             None, self._upstream_key, self._summarizer_key or self._upstream_key
         )
+        self._callers: dict[str, Caller] = {}  # by key id; a reloaded key gets a new one
 
     @property
     def enabled(self) -> bool:
@@ -77,12 +80,21 @@ class Gate:
             return self._anonymous
         self.source.maybe_reload()
         key = authenticate(self.source.ring, client_headers)
-        upstream = key.upstream_api_key or self._upstream_key
-        return Caller(key, upstream, self._summarizer_key or upstream)
+        caller = self._callers.get(key.id)
+        if caller is None or caller.key is not key:
+            if len(self._callers) > 100_000:  # ids from many reloads: start over
+                self._callers.clear()
+            upstream = key.upstream_api_key or self._upstream_key
+            scope = scope_for(None, self.settings.cache.scope, key_id=key.id)
+            caller = Caller(key, upstream, self._summarizer_key or upstream, scope)
+            self._callers[key.id] = caller
+        return caller
 
     def scope(self, caller: Caller, client_headers: Headers) -> str | None:
         """The summary store tenant: the key id with keys, else the client's credential
         (None: no store)."""
+        if caller.key_scope is not None:
+            return caller.key_scope
         cache = self.settings.cache
         return scope_for(
             credential_of(client_headers),

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from functools import cached_property
 from typing import Literal
 
 from proxy.compaction.strategies import load_strategy
@@ -29,7 +30,7 @@ class Limits:
     spend_usd_per_day: float | None = None
     spend_usd_per_month: float | None = None
 
-    @property
+    @cached_property
     def any(self) -> bool:
         return any(
             value is not None
@@ -56,8 +57,18 @@ class ProxyKey:
     strategy: str | None = None
     limits: Limits = Limits()
 
+    _allowed: dict[str, bool] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+
     def allows(self, model: str) -> bool:
-        return any(fnmatchcase(model, pattern) for pattern in self.allowed_models)
+        """Memoised per model name (the request path asks on every request)."""
+        found = self._allowed.get(model)
+        if found is None:
+            found = any(fnmatchcase(model, pattern) for pattern in self.allowed_models)
+            if len(self._allowed) < 1_000:  # names come from clients: bounded
+                self._allowed[model] = found
+        return found
 
     def policy(self) -> dict[str, object]:
         """What an admin may see: everything but key material and credentials."""

@@ -72,11 +72,8 @@ class KeySource:
         self._task: asyncio.Task[None] | None = None
         self.generation = 1  # bumped on every successful reload
         self.ring = self._load()  # at start, errors are fatal (ConfigError)
-
-    @property
-    def configured(self) -> bool:
-        """Keys are in use (from config or a keys file): every /v1 request must carry one."""
-        return bool(self._settings.keys) or self.path is not None
+        # Keys are in use (from config or a keys file): every /v1 request must carry one.
+        self.configured: bool = bool(settings.keys) or self.path is not None
 
     def _load(self) -> KeyRing:
         entries = [(f"auth.keys[{i}]", k) for i, k in enumerate(self._settings.keys)]

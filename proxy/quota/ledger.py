@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from proxy.auth.keys import Limits
+from proxy.quota.windows import Windows
 
 Denial = Literal["requests", "tokens_minute", "tokens_day", "spend_day", "spend_month"]
 
@@ -37,9 +38,9 @@ class LedgerUnavailable(Exception):
     """The backend could not be reached (Redis down); the caller applies on_redis_error."""
 
 
-@dataclass(frozen=True)
-class Charge:
-    """Counters after the check (incremented only when `denied is None`)."""
+class Charge(NamedTuple):
+    """Counters after the check (incremented only when `denied is None`). A tuple: one is
+    made per request."""
 
     denied: Denial | None
     requests: int = 0
@@ -90,7 +91,9 @@ class Ledger(Protocol):
     name: str  # "memory" | "redis"
     errors: int  # backend failures so far
 
-    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, now: float) -> Charge: ...
+    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
+        """`w`: the windows of the request's time, computed once by the caller."""
+        ...
 
     async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None: ...
 
@@ -101,17 +104,25 @@ class Ledger(Protocol):
     async def close(self) -> None: ...
 
 
-def decide(limits: LimitArgs, tokens: int, c: Charge) -> Denial | None:
+def decide(
+    limits: LimitArgs,
+    tokens: int,
+    requests: int,
+    tokens_minute: int,
+    tokens_day: int,
+    spend_day_nano: int,
+    spend_month_nano: int,
+) -> Denial | None:
     """The first limit this request would break, given the counters before it."""
-    if limits.requests and c.requests + 1 > limits.requests:
+    if limits.requests and requests + 1 > limits.requests:
         return "requests"
-    if limits.tokens_minute and c.tokens_minute + tokens > limits.tokens_minute:
+    if limits.tokens_minute and tokens_minute + tokens > limits.tokens_minute:
         return "tokens_minute"
-    if limits.tokens_day and c.tokens_day + tokens > limits.tokens_day:
+    if limits.tokens_day and tokens_day + tokens > limits.tokens_day:
         return "tokens_day"
-    if limits.spend_day_nano and c.spend_day_nano >= limits.spend_day_nano:
+    if limits.spend_day_nano and spend_day_nano >= limits.spend_day_nano:
         return "spend_day"
-    if limits.spend_month_nano and c.spend_month_nano >= limits.spend_month_nano:
+    if limits.spend_month_nano and spend_month_nano >= limits.spend_month_nano:
         return "spend_month"
     return None
 

@@ -6,7 +6,27 @@ from __future__ import annotations
 from collections import defaultdict
 
 from proxy.quota.ledger import Charge, LimitArgs, UsageRow, decide, oldest_kept_day
-from proxy.quota.windows import windows_at
+from proxy.quota.windows import Windows, windows_at
+
+
+class _Counters:
+    """One key's quota counters, each with the window it counts (a new window starts at 0).
+
+    One object per key, so a charge is one dict lookup and a few attribute reads."""
+
+    __slots__ = ("day", "minute", "month", "rpm", "spend_d", "spend_m", "tpd", "tpm")
+
+    def __init__(self) -> None:
+        self.minute = self.day = self.month = ""
+        self.rpm = self.tpm = self.tpd = self.spend_d = self.spend_m = 0
+
+    def roll(self, w: Windows) -> None:
+        if self.minute != w.minute:
+            self.minute, self.rpm, self.tpm = w.minute, 0, 0
+        if self.day != w.day:
+            self.day, self.tpd, self.spend_d = w.day, 0, 0
+        if self.month != w.month:
+            self.month, self.spend_m = w.month, 0
 
 
 class MemoryLedger:
@@ -15,40 +35,25 @@ class MemoryLedger:
     def __init__(self, retention_days: int = 400) -> None:
         self.errors = 0
         self.retention_days = retention_days
-        self._counters: dict[tuple[str, str], tuple[str, int]] = {}
+        self._counters: dict[str, _Counters] = {}
         self._usage: dict[tuple[str, str, str], defaultdict[str, int]] = {}
         self._oldest_kept = ""
 
-    def _get(self, key_id: str, kind: str, window: str) -> int:
-        found = self._counters.get((key_id, kind))
-        return found[1] if found is not None and found[0] == window else 0
+    def _of(self, key_id: str, w: Windows) -> _Counters:
+        counters = self._counters.get(key_id)
+        if counters is None:
+            counters = self._counters[key_id] = _Counters()
+        counters.roll(w)
+        return counters
 
-    def _add(self, key_id: str, kind: str, window: str, amount: int) -> int:
-        value = self._get(key_id, kind, window) + amount
-        self._counters[(key_id, kind)] = (window, value)
-        return value
-
-    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, now: float) -> Charge:
-        w = windows_at(now)
-        before = Charge(
-            None,
-            self._get(key_id, "rpm", w.minute),
-            self._get(key_id, "tpm", w.minute),
-            self._get(key_id, "tpd", w.day),
-            self._get(key_id, "spend_d", w.day),
-            self._get(key_id, "spend_m", w.month),
-        )
-        denied = decide(limits, tokens, before)
-        if denied is not None:
-            return Charge(denied, *_counts(before))
-        return Charge(
-            None,
-            self._add(key_id, "rpm", w.minute, 1),
-            self._add(key_id, "tpm", w.minute, tokens),
-            self._add(key_id, "tpd", w.day, tokens),
-            before.spend_day_nano,
-            before.spend_month_nano,
-        )
+    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
+        c = self._of(key_id, w)
+        denied = decide(limits, tokens, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
+        if denied is None:
+            c.rpm += 1
+            c.tpm += tokens
+            c.tpd += tokens
+        return Charge(denied, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
 
     async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None:
         w = windows_at(now)
@@ -57,13 +62,27 @@ class MemoryLedger:
             row[name] += value
         cost = counts.get("cost_nano_usd", 0)
         if cost:
-            self._add(key_id, "spend_d", w.day, cost)
-            self._add(key_id, "spend_m", w.month, cost)
+            self._spent(key_id, w, cost)
         oldest = oldest_kept_day(w.day, self.retention_days)
         if oldest != self._oldest_kept:
             self._oldest_kept = oldest
             for stale in [k for k in self._usage if k[1] < oldest]:
                 del self._usage[stale]
+
+    def _spent(self, key_id: str, w: Windows, cost: int) -> None:
+        """Spend of a finished request; one of an earlier day (a batch written after
+        midnight) never turns the counters back."""
+        c = self._counters.get(key_id)
+        if c is None:
+            c = self._counters[key_id] = _Counters()
+        if w.day == c.day:
+            c.spend_d += cost
+        elif w.day > c.day:
+            c.day, c.tpd, c.spend_d = w.day, 0, cost
+        if w.month == c.month:
+            c.spend_m += cost
+        elif w.month > c.month:
+            c.month, c.spend_m = w.month, cost
 
     async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
         wanted = None if key_ids is None else set(key_ids)
@@ -75,7 +94,3 @@ class MemoryLedger:
 
     async def close(self) -> None:
         return None
-
-
-def _counts(c: Charge) -> tuple[int, int, int, int, int]:
-    return (c.requests, c.tokens_minute, c.tokens_day, c.spend_day_nano, c.spend_month_nano)

@@ -37,6 +37,7 @@ class Quotas:
         self.failed_open = 0  # requests let through unmetered while the ledger was down
         self.rejected = 0
         self._log = RateLimitedLog(log)
+        self._limits: dict[str, tuple[ProxyKey, LimitArgs]] = {}
 
     def counts_tokens(self, key: ProxyKey | None) -> bool:
         """Does this key's quota need the request's prompt tokens?"""
@@ -47,17 +48,31 @@ class Quotas:
             limits.prompt_tokens_per_minute is not None or limits.prompt_tokens_per_day is not None
         )
 
+    def _limits_of(self, key: ProxyKey) -> LimitArgs:
+        """The key's limits as integers, made once per key (and again after a key reload)."""
+        found = self._limits.get(key.id)
+        if found is not None and found[0] is key:
+            return found[1]
+        if len(self._limits) > 100_000:  # ids from many reloads: start over
+            self._limits.clear()
+        limits = LimitArgs.of(key.limits)
+        self._limits[key.id] = (key, limits)
+        return limits
+
     async def charge(self, key: ProxyKey | None, tokens: int) -> dict[str, str]:
-        """Count one request of `tokens` forwarded prompt tokens; the remaining-quota headers.
+        """Count one request of `tokens` forwarded prompt tokens; the remaining-quota headers
+        for the reply. On a normal reply the upstream's own `x-ratelimit-*` pass through
+        untouched, so the key's quota goes beside them as `x-compaction-ratelimit-*`; a 429
+        carries OpenAI's own names.
 
         Raises ProxyError 429 over a limit, 503 if the ledger is down and on_error = "closed".
         """
         if key is None or not key.limits.any:
             return {}
-        limits = LimitArgs.of(key.limits)
-        now = self.clock()
+        limits = self._limits_of(key)
+        w = windows_at(self.clock())
         try:
-            charge = await self.ledger.charge(key.id, limits, tokens, now)
+            charge = await self.ledger.charge(key.id, limits, tokens, w)
         except LedgerUnavailable as exc:
             self._log.warning(
                 "quota: %s ledger unavailable (%s); requests go through %s (errors=%d)",
@@ -75,36 +90,43 @@ class Quotas:
                 code="quota_unavailable",
                 headers={"retry-after": "1"},
             ) from None
-        w = windows_at(now)
+        if charge.denied is None:
+            return rate_limit_headers(limits, charge, w, _REPLY_NAMES)
+        self.rejected += 1
         headers = rate_limit_headers(limits, charge, w)
-        if charge.denied is not None:
-            self.rejected += 1
-            raise _denial(key, limits, charge, tokens, w, headers)
-        return headers
+        raise _denial(key, limits, charge, tokens, w, headers)
 
 
-def reply_quota_headers(headers: dict[str, str]) -> dict[str, str]:
-    """On a normal reply the upstream's own `x-ratelimit-*` pass through untouched; the key's
-    quota goes beside them as `x-compaction-ratelimit-*`."""
-    return {f"x-compaction-{name[2:]}": value for name, value in headers.items()}
+# OpenAI's names: x-ratelimit-{limit,remaining,reset}-{requests,tokens}.
+_NAMES = tuple(
+    f"x-ratelimit-{what}-{kind}"
+    for kind in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
+)
+_REPLY_NAMES = tuple(f"x-compaction-{name[2:]}" for name in _NAMES)
 
 
-def rate_limit_headers(limits: LimitArgs, charge: Charge, w: Windows) -> dict[str, str]:
-    """OpenAI's names: x-ratelimit-{limit,remaining,reset}-{requests,tokens}."""
+def rate_limit_headers(
+    limits: LimitArgs, charge: Charge, w: Windows, names: tuple[str, ...] = _NAMES
+) -> dict[str, str]:
+    """x-ratelimit-{limit,remaining,reset}-{requests,tokens} (or `names` in that order)."""
     headers: dict[str, str] = {}
+    minute_reset = ""
     if limits.requests:
-        headers["x-ratelimit-limit-requests"] = str(limits.requests)
-        headers["x-ratelimit-remaining-requests"] = str(max(0, limits.requests - charge.requests))
-        headers["x-ratelimit-reset-requests"] = duration_text(w.minute_reset_s)
+        minute_reset = duration_text(w.minute_reset_s)
+        headers[names[0]] = str(limits.requests)
+        headers[names[1]] = str(max(0, limits.requests - charge.requests))
+        headers[names[2]] = minute_reset
     if limits.tokens_minute:
-        used, limit, reset = charge.tokens_minute, limits.tokens_minute, w.minute_reset_s
+        used, limit = charge.tokens_minute, limits.tokens_minute
+        reset = minute_reset or duration_text(w.minute_reset_s)
     elif limits.tokens_day:
-        used, limit, reset = charge.tokens_day, limits.tokens_day, w.day_reset_s
+        used, limit, reset = charge.tokens_day, limits.tokens_day, duration_text(w.day_reset_s)
     else:
         return headers
-    headers["x-ratelimit-limit-tokens"] = str(limit)
-    headers["x-ratelimit-remaining-tokens"] = str(max(0, limit - used))
-    headers["x-ratelimit-reset-tokens"] = duration_text(reset)
+    headers[names[3]] = str(limit)
+    headers[names[4]] = str(max(0, limit - used))
+    headers[names[5]] = reset
     return headers
 
 

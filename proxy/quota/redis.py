@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
-from proxy.quota.windows import windows_at
+from proxy.quota.windows import Windows, windows_at
 from proxy.store.connect import RedisClient
 
 T = TypeVar("T")
@@ -103,8 +103,7 @@ class RedisLedger:
             self._retry_at = self._clock() + self._retry_after_s
             raise LedgerUnavailable(self.last_error) from exc
 
-    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, now: float) -> Charge:
-        w = windows_at(now)
+    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
         keys = [
             self.key(key_id, "rpm", w.minute),
             self.key(key_id, "tpm", w.minute),

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import calendar
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Windows:
+class Windows(NamedTuple):
+    """A tuple: one is made per request (the resets move with the fraction of a second)."""
+
     minute: str  # "m<unix minute>"
     day: str  # "YYYY-MM-DD"
     month: str  # "YYYY-MM"
@@ -60,19 +61,39 @@ def _windows_at(now: float) -> Windows:
     )
 
 
+_day_memo: tuple[int, str] = (-1, "")
+
+
 def day_of(now: float) -> str:
-    return windows_at(now).day
+    """The UTC day of `now` (memoised per day: the usage meter asks once per reply)."""
+    global _day_memo
+    number = int(now // 86400)
+    memo = _day_memo
+    if memo[0] != number:
+        memo = _day_memo = (number, _windows_at(number * 86400.0).day)
+    return memo[1]
+
+
+_texts: dict[int, str] = {}
 
 
 def duration_text(seconds: float) -> str:
-    """OpenAI's reset format: "1s", "6m0s", "2h3m4s" (sub-second as "250ms")."""
+    """OpenAI's reset format: "1s", "6m0s", "2h3m4s" (sub-second as "250ms"). Whole seconds
+    are memoised: every reply of a keyed request carries two."""
     if seconds < 1:
         return f"{max(1, int(seconds * 1000))}ms"
     total = int(seconds + 0.999)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
+    text = _texts.get(total)
+    if text is None:
+        hours, rest = divmod(total, 3600)
+        minutes, secs = divmod(rest, 60)
+        if hours:
+            text = f"{hours}h{minutes}m{secs}s"
+        elif minutes:
+            text = f"{minutes}m{secs}s"
+        else:
+            text = f"{secs}s"
+        if len(_texts) >= 4096:
+            _texts.clear()
+        _texts[total] = text
+    return text

@@ -15,18 +15,19 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from operator import add
 from typing import Any
 
 import httpx
 
 from proxy import jsonbytes
-from proxy.quota.ledger import NANO, Ledger, LedgerUnavailable
+from proxy.quota.ledger import NANO, USAGE_FIELDS, Ledger, LedgerUnavailable
 from proxy.quota.windows import day_of
 from proxy.report import Outcome
 from proxy.settings import Settings
 from proxy.store.protocol import RateLimitedLog
 from proxy.usage.pricing import Pricing
-from proxy.usage.tap import ReportedUsage, StreamTap, usage_of_body
+from proxy.usage.tap import BodyTail, ReportedUsage, StreamTap, usage_of_body
 
 log = logging.getLogger("proxy.usage")
 
@@ -54,8 +55,8 @@ class Meter:
         self.summarizer_model = settings.compaction.summarizer.model
         self.errors = 0
         self.flush_s = FLUSH_S
-        # (key id, model, day) -> (a timestamp in that day, summed counts)
-        self._batch: dict[tuple[str, str, str], tuple[float, dict[str, int]]] = {}
+        # (key id, model, day) -> (a timestamp in that day, sums in USAGE_FIELDS order)
+        self._batch: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
         self._flusher: asyncio.Task[None] | None = None  # sleeping until the next flush
         self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
@@ -94,16 +95,19 @@ class Meter:
         return round(usd * NANO), price is not None
 
     def record(self, key_id: str, model: str, counts: dict[str, int]) -> None:
-        """Add one reply's counts to the batch; the flusher writes it within `flush_s`."""
+        """Add one reply's counts (by USAGE_FIELDS name) to the batch."""
+        self.add(key_id, model, [counts.get(name, 0) for name in USAGE_FIELDS])
+
+    def add(self, key_id: str, model: str, values: list[int]) -> None:
+        """Add one reply's counts, in USAGE_FIELDS order, to the batch; the flusher writes it
+        within `flush_s`. Summed into one list per key, model and day: no dict per reply."""
         now = self.clock()
         entry = (key_id, model[:_MODEL_CHARS], day_of(now))
         found = self._batch.get(entry)
         if found is None:
-            self._batch[entry] = (now, dict(counts))
+            self._batch[entry] = (now, values)
         else:
-            summed = found[1]
-            for name, value in counts.items():
-                summed[name] = summed.get(name, 0) + value
+            found[1][:] = map(add, found[1], values)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -121,7 +125,8 @@ class Meter:
     async def flush(self) -> None:
         """Write the batch now (one ledger call per key, model and day)."""
         batch, self._batch = self._batch, {}
-        for (key_id, model, _), (now, counts) in batch.items():
+        for (key_id, model, _), (now, sums) in batch.items():
+            counts = {name: value for name, value in zip(USAGE_FIELDS, sums, strict=True) if value}
             try:
                 await self.ledger.record(key_id, model, counts, now)
             except LedgerUnavailable as exc:
@@ -169,13 +174,18 @@ class ChatTap:
         self, status: int, headers: httpx.Headers, chunks: AsyncIterator[bytes]
     ) -> AsyncIterator[bytes]:
         streaming = headers.get("content-type", "").startswith("text/event-stream")
-        if not streaming or status >= 400 or headers.get("content-encoding"):
-            # Not an event stream we can read: relayed untouched, our own counts recorded.
+        encoding = headers.get("content-encoding", "")
+        if not streaming or status >= 400 or encoding:
+            # Relayed untouched. A JSON reply too big to be read whole: its usage is read from
+            # its last bytes as they pass; anything else: our own counts are recorded.
+            tail = BodyTail(encoding) if status < 400 and not streaming else None
             try:
                 async for chunk in chunks:
+                    if tail is not None:
+                        tail.feed(chunk)
                     yield chunk
             finally:
-                self._finish(status, None, events=0)
+                self._finish(status, None if tail is None else tail.usage(), events=0)
             return
         tap = StreamTap(hide_usage_event=self.hide_usage)
         feed = tap.feed
@@ -192,32 +202,29 @@ class ChatTap:
 
     def _finish(self, status: int, reported: ReportedUsage | None, events: int) -> tuple[int, bool]:
         outcome = self.outcome
-        counted = outcome.tokens_before is not None
-        before = outcome.tokens_before or 0
-        after = outcome.tokens_after if outcome.tokens_after is not None else before
-        counts = {
-            "requests": 1,
-            "summarizer_prompt_tokens": outcome.usage.input_tokens,
-            "summarizer_completion_tokens": outcome.usage.output_tokens,
-        }
+        summary = outcome.usage
         if status < 400:
-            counts["prompt_tokens_sent"] = before
-            counts["tokens_saved"] = max(0, before - after)
+            before = outcome.tokens_before
+            after = outcome.tokens_after
+            if after is None:
+                after = before or 0
+            estimated = 0
             if reported is None:
                 # Our own counts: the forwarded prompt as counted, one token per stream event.
                 prompt, cached, completion = after, 0, max(0, events - 1)
-                counts["estimated_requests"] = 1
+                estimated = 1
             else:
                 prompt = reported.prompt_tokens
                 cached, completion = reported.cached_tokens, reported.completion_tokens
-            if not counted:  # compaction off: nothing counted, what was sent is what was billed
-                counts["prompt_tokens_sent"] = prompt
-            counts["prompt_tokens_forwarded"] = prompt
-            counts["cached_prompt_tokens"] = cached
-            counts["completion_tokens"] = completion
+            # Compaction off: nothing counted, what was sent is what was billed.
+            sent = prompt if before is None else before
+            saved = 0 if before is None else max(0, before - after)
         else:
-            prompt = cached = completion = 0
+            prompt = cached = completion = sent = saved = estimated = 0
         cost, priced = self.meter.cost_nano(self.model, outcome, prompt, cached, completion)
-        counts["cost_nano_usd"] = cost
-        self.meter.record(self.key_id, self.model, counts)
+        # USAGE_FIELDS order.
+        self.meter.add(self.key_id, self.model, [
+            1, sent, prompt, cached, completion, summary.input_tokens, summary.output_tokens,
+            saved, cost, estimated,
+        ])  # fmt: skip
         return cost, priced

@@ -1,12 +1,14 @@
 """Reading the upstream's `usage` from a reply as it is relayed, without changing other bytes.
 
-Non-streaming: the reply is JSON with a `usage` object. Streaming (SSE): with
-`stream_options.include_usage` the upstream sends one extra event whose `choices` is empty
-and whose `usage` is set, just before `data: [DONE]`. When the proxy asked for it on the
-client's behalf, `StreamTap` removes exactly that event: every other byte reaches the client
-as the upstream sent it, in the same chunks, except that an event split across chunks is
-held back until it is complete (so the one to remove can be recognised). When the client
-asked for usage itself, the tap only reads and nothing is held back.
+Non-streaming: the reply is JSON with a `usage` object near its end, read from there
+(`trailing_usage`), so a reply of any size is accounted without parsing it whole.
+Streaming (SSE): with `stream_options.include_usage` the upstream sends one extra event
+whose `choices` is empty and whose `usage` is set, just before `data: [DONE]`. When the
+proxy asked for it on the client's behalf, `StreamTap` removes exactly that event: every
+other byte reaches the client as the upstream sent it, in the same chunks, except that an
+event split across chunks is held back until it is complete (so the one to remove can be
+recognised). When the client asked for usage itself, the tap only reads and nothing is
+held back.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import json
 import re
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 # An event longer than this is passed on without being held back or read.
@@ -24,9 +25,8 @@ _MAX_EVENT_BYTES = 1024 * 1024
 _MAX_DECODED_BYTES = 8 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class ReportedUsage:
-    """The upstream's own numbers."""
+class ReportedUsage(NamedTuple):
+    """The upstream's own numbers (a tuple: one is made per reply)."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -35,40 +35,158 @@ class ReportedUsage:
     @classmethod
     def parse(cls, usage: object) -> ReportedUsage | None:
         """Chat Completions' shape (prompt/completion tokens) or the Responses API's
-        (input/output tokens); embeddings report prompt tokens only."""
-        if not isinstance(usage, dict):
+        (input/output tokens); embeddings report prompt tokens only. Counts are non-negative
+        integers (not booleans), else None."""
+        if type(usage) is not dict:
             return None
-        prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
-        completion = _count(usage.get("completion_tokens", usage.get("output_tokens", 0)))
-        if prompt is None or completion is None:
+        prompt = usage["prompt_tokens"] if "prompt_tokens" in usage else usage.get("input_tokens")
+        completion = (
+            usage["completion_tokens"]
+            if "completion_tokens" in usage
+            else usage.get("output_tokens", 0)
+        )
+        if type(prompt) is not int or type(completion) is not int or prompt < 0 or completion < 0:
             return None
-        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
-        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
-        return cls(prompt, completion, cached or 0)
-
-
-def _count(value: object) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+        details = usage.get("prompt_tokens_details")
+        if details is None:
+            details = usage.get("input_tokens_details")
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        return cls(prompt, completion, cached if type(cached) is int and cached > 0 else 0)
 
 
 def usage_of_body(body: bytes, content_encoding: str = "") -> ReportedUsage | None:
     """`usage` of a whole JSON reply (None if absent, not JSON, or in an unknown encoding).
 
-    The relayed bytes stay as the upstream encoded them; only this copy is decoded.
+    The relayed bytes stay as the upstream encoded them; only this copy is decoded. The
+    reply's end is read first (`trailing_usage`), the whole parse only when that fails.
     """
-    encoding = content_encoding.strip().lower()
     try:
-        if encoding in ("gzip", "x-gzip", "deflate"):
-            inflate = zlib.decompressobj(31 if encoding != "deflate" else 15)
-            body = inflate.decompress(body, _MAX_DECODED_BYTES)
-        elif encoding not in ("", "identity"):
-            return None
+        if content_encoding:
+            encoding = content_encoding.strip().lower()
+            if encoding in ("gzip", "x-gzip", "deflate"):
+                inflate = zlib.decompressobj(31 if encoding != "deflate" else 15)
+                body = inflate.decompress(body, _MAX_DECODED_BYTES)
+            elif encoding not in ("", "identity"):
+                return None
+        found = trailing_usage(body)
+        if found is not None:
+            return found
         data: Any = json.loads(body)
     except (ValueError, UnicodeDecodeError, zlib.error):
         return None
     return ReportedUsage.parse(data.get("usage")) if isinstance(data, dict) else None
+
+
+_decoder = json.JSONDecoder()
+_SPACE = " \t\n\r"
+_MAX_TRAILING_MEMBERS = 64
+
+
+def trailing_usage(data: bytes) -> ReportedUsage | None:
+    """The top-level `usage` of a JSON object that ends `data`, read from its end only.
+
+    OpenAI puts `usage` near the end of a reply (after `choices`), so the last `"usage"` key
+    in the bytes, its object, and the few members after it up to the closing brace are all
+    that is parsed, however long the reply is. The answer is only given when that is proven:
+    the key is not inside a string, its value has integer token counts, and what follows it
+    is members of the same object up to the last byte of `data` (so the object is the
+    top-level one). Otherwise None: the caller parses the whole reply, or estimates.
+    `data` may be just the end of a reply (see `BodyTail`).
+    """
+    at = data.rfind(b'"usage"')
+    if at < 0:
+        return None
+    slashes = 0
+    while at - slashes > 0 and data[at - slashes - 1] == 0x5C:  # backslash
+        slashes += 1
+    if slashes % 2:  # an escaped quote: the text is inside a string
+        return None
+    try:
+        text = data[at + 7 :].decode()
+        i = 0 if text[:1] == ":" else _skip(text, 0)
+        if text[i : i + 1] != ":":
+            return None
+        i += 1
+        if text[i : i + 1] != "{":
+            i = _skip(text, i)
+        usage, i = _decoder.raw_decode(text, i)
+        found = ReportedUsage.parse(usage)
+        if found is None:
+            return None
+        if text[i:].rstrip(_SPACE) != "}" and not _closes_object(text, i):
+            return None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return found
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _SPACE:
+        i += 1
+    return i
+
+
+def _closes_object(text: str, i: int) -> bool:
+    """Is text[i:] `(, "key": value)* }` and then only whitespace?"""
+    for _ in range(_MAX_TRAILING_MEMBERS):
+        i = _skip(text, i)
+        if text[i : i + 1] == "}":
+            return _skip(text, i + 1) == len(text)
+        if text[i : i + 1] != ",":
+            return False
+        key, i = _decoder.raw_decode(text, _skip(text, i + 1))
+        i = _skip(text, i)
+        if not isinstance(key, str) or text[i : i + 1] != ":":
+            return False
+        _, i = _decoder.raw_decode(text, _skip(text, i + 1))
+    return False
+
+
+class BodyTail:
+    """The last `TAIL_BYTES` of a (possibly content-encoded) JSON reply relayed in chunks, to
+    read its `usage` at the end (`trailing_usage`) without keeping the reply."""
+
+    TAIL_BYTES = 64 * 1024
+
+    def __init__(self, content_encoding: str = "") -> None:
+        encoding = content_encoding.strip().lower()
+        self.readable = encoding in ("", "identity", "gzip", "x-gzip", "deflate")
+        self._inflate = (
+            zlib.decompressobj(15 if encoding == "deflate" else 31)
+            if self.readable and encoding not in ("", "identity")
+            else None
+        )
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.readable:
+            return
+        if self._inflate is None:
+            self._keep(chunk)
+            return
+        try:
+            while chunk:
+                self._keep(self._inflate.decompress(chunk, self.TAIL_BYTES))
+                chunk = self._inflate.unconsumed_tail
+        except zlib.error:
+            self.readable = False
+            self._parts = []
+
+    def _keep(self, data: bytes) -> None:
+        if not data:
+            return
+        if len(data) > self.TAIL_BYTES:
+            data = data[-self.TAIL_BYTES :]
+        self._parts.append(data)
+        self._size += len(data)
+        while self._size - len(self._parts[0]) >= self.TAIL_BYTES:
+            self._size -= len(self._parts.pop(0))
+
+    def usage(self) -> ReportedUsage | None:
+        if not self.readable or not self._parts:
+            return None
+        return trailing_usage(b"".join(self._parts))
 
 
 def _has_usage(data: bytes) -> bool:

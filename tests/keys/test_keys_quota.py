@@ -298,3 +298,19 @@ async def test_summary_store_on_the_cluster_reuses_a_summary_across_replicas(
     assert second.headers["x-compaction-status"] == "reused"
     assert len(fake.summary_calls) == 1
     assert one.state.compactor.store.errors == 0
+
+
+async def test_memory_spend_written_after_midnight_never_turns_todays_counters_back() -> None:
+    from proxy.auth.keys import Limits
+    from proxy.quota import MemoryLedger
+
+    ledger = MemoryLedger()
+    limits = LimitArgs.of(Limits(requests_per_minute=100, prompt_tokens_per_day=1_000))
+    today = 1_800_000_000.0 + 86400
+    await ledger.charge("k", limits, 400, windows_at(today))
+    # Yesterday's batch, flushed late: spend of yesterday, today's counters untouched.
+    await ledger.record("k", "m", {"requests": 1, "cost_nano_usd": 5}, today - 86400)
+    charge = await ledger.charge("k", limits, 400, windows_at(today + 1))
+    assert (charge.denied, charge.requests, charge.tokens_day) == (None, 2, 800)
+    assert charge.spend_day_nano == 0
+    assert (await ledger.charge("k", limits, 400, windows_at(today + 2))).denied == "tokens_day"

@@ -334,3 +334,77 @@ async def test_usage_of_other_billed_routes_is_recorded_too(
     assert responses["completion_tokens"] == 5
     assert responses["estimated_requests"] == 0
     assert responses["cost_usd"] == pytest.approx((16 * 0.15 + 4 * 0.075 + 5 * 0.60) / 1e6)
+
+
+def big_reply(content: str, usage: dict[str, Any], **after: Any) -> dict[str, Any]:
+    """OpenAI's member order: choices, then usage, then the rest."""
+    message = {"role": "assistant", "content": content}
+    reply = {"id": "c", "object": "chat.completion", "choices": [{"index": 0, "message": message}]}
+    return {**reply, "usage": usage, **after}
+
+
+async def test_usage_of_a_reply_of_any_size_is_the_upstreams(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    usage = {"prompt_tokens": 41, "completion_tokens": 123_456, "total_tokens": 123_497}
+    # 1.2 MB, far over what is read whole; its content quotes a usage object as text.
+    content = 'the "usage": {"prompt_tokens": 1, "completion_tokens": 2} field ' + "x" * 1_200_000
+    reply = big_reply(content, usage, service_tier="default", system_fingerprint="fp_1")
+    raw = json.dumps(reply).encode()
+    upstream.post("/chat/completions").respond(
+        stream=Chunked(raw, 65_000), headers={"content-type": "application/json"}
+    )
+    app = await make_app(admin_settings())
+    got = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert got.content == raw  # relayed untouched
+    zipped = gzip.compress(raw)
+    upstream.post("/chat/completions").respond(
+        stream=Chunked(zipped, 4_000),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
+    got = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+    assert got.status_code == 200
+    await app.state.meter.join()
+    row = (await app.client.get("/admin/usage", headers=ADMIN)).json()["data"][0]
+    assert row["requests"] == 2
+    assert row["estimated_requests"] == 0
+    assert row["prompt_tokens_forwarded"] == 2 * 41
+    assert row["completion_tokens"] == 2 * 123_456
+
+
+def test_usage_read_from_the_end_is_the_top_level_one_or_none() -> None:
+    from proxy.usage.tap import trailing_usage
+
+    usage = {
+        "prompt_tokens": 9,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    plain = json.dumps(big_reply("hi", usage, system_fingerprint="fp")).encode()
+    assert trailing_usage(plain) == (9, 4, 2)
+    assert usage_of_body(plain) == (9, 4, 2)
+    # Content mentioning usage, even shaped like one, is inside a string: never read.
+    quoted = big_reply('{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}', usage)
+    assert trailing_usage(json.dumps(quoted).encode()) == (9, 4, 2)
+    # A nested "usage" after the top-level one: not proven top-level, the whole parse decides.
+    nested = {
+        **big_reply("hi", usage),
+        "metadata": {"usage": {"prompt_tokens": 1, "completion_tokens": 1}},
+    }
+    raw = json.dumps(nested).encode()
+    assert trailing_usage(raw) is None
+    assert usage_of_body(raw) == (9, 4, 2)
+    # A key that is not `usage` but ends in it (an escaped quote before it) is no key at all.
+    assert (
+        trailing_usage(b'{"a": "x\\"usage": {"prompt_tokens": 1, "completion_tokens": 1}}') is None
+    )
+    # Counts that are not non-negative integers are refused.
+    for bad in (
+        {"prompt_tokens": "9", "completion_tokens": 4},
+        {"prompt_tokens": True, "completion_tokens": 4},
+        {"prompt_tokens": -1, "completion_tokens": 4},
+        {"completion_tokens": 4},
+    ):
+        assert usage_of_body(json.dumps(big_reply("hi", bad)).encode()) is None
+    # Just the end of a reply is enough (what is kept of a big one).
+    assert trailing_usage(plain[plain.index(b'"usage"') - 5 :]) == (9, 4, 2)
