@@ -1,16 +1,18 @@
 """Where the proxy's memory goes, and what its first request costs after a start.
 
     python -m bench.memory                  # both parts below
-    python -m bench.memory breakdown        # RSS step by step in one process, tracemalloc top
+    python -m bench.memory breakdown        # RSS step by step in one process
+    python -X tracemalloc=1 -m bench.memory snapshot   # Python allocations after start, by package
     python -m bench.memory first [--starts 5] [--requests 50]
 
 `breakdown` builds the proxy in this process as `serve` does and prints VmRSS after each
 step: the interpreter, each heavy import, the settings, each BPE encoding (tiktoken keeps
 its tables in Rust, where tracemalloc cannot see them, so RSS deltas are the measure), the
-app, its start-up warm-up, then the count memo filled to its configured cap, and the top
-Python allocations that tracemalloc attributes (imports and tables excluded: it starts after
-them). Each import is measured in import order, so a module shared with an earlier one is
-counted there.
+app, its start-up warm-up, then the count memo filled to its configured cap (and, for
+comparison, the cachetools LRUCache it replaced), and the chain memo at its byte bound.
+Each import is measured in import order, so a module shared with an earlier one is counted
+there. `snapshot` is tracemalloc's view once the app is up: Python's own allocations by
+package (imports' code and data included; the Rust BPE tables are not there).
 
 `first` starts `compaction-proxy serve` `--starts` times (a fresh process each) against
 bench/upstream.py and times request 1 against the median of requests 2..N on one keep-alive
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,28 +104,88 @@ def breakdown(args: argparse.Namespace) -> None:
     asyncio.run(run_lifespan())
 
     assert isinstance(counter, TokenCounter)
-    cap = settings.tokenizer.memo_max_entries
     memo = counter._memo
-    import tracemalloc
-
-    tracemalloc.start(5)
-    base = 1 << 62
-    for i in range(cap):
-        memo.put(base + i * 7919, 10 + i % 5000)
-    step(f"count memo at its cap ({len(memo):,} entries)")
-    rows[-1][3] = f"{float(rows[-1][2]) * 1048576 / max(len(memo), 1):.0f} B/entry"
-    snapshot = tracemalloc.take_snapshot()
-    tracemalloc.stop()
+    for i in range(memo.capacity):
+        memo.put((i * 0x9E3779B97F4A7C15) % (1 << 63), 10 + i % 5000)
+    step(f"count memo filled ({len(memo):,} of {memo.capacity:,} entries)",
+         f"table of {16 * memo.capacity / 1048576:.1f} MB, allocated by create_app")  # fmt: skip
     memo.clear()
-    step("count memo cleared")
+
+    from cachetools import LRUCache
+
+    lru: LRUCache[int, int] = LRUCache(maxsize=memo.capacity)
+    for i in range(memo.capacity):
+        lru[(i * 0x9E3779B97F4A7C15) % (1 << 63)] = 10 + i % 5000
+    step("(before) a cachetools LRUCache of as many counts")
+    rows[-1][3] = f"{float(rows[-1][2]) * 1048576 / len(lru):.0f} B/entry"
+    del lru
+    _dropped("(before) LRUCache dropped", step)
+
+    from proxy.store.chain import ChainMemo
+
+    for links in (1000, 1):  # a long history's chain; one-link chains, the most entries
+        chains = ChainMemo()
+        for i in range(200_000):
+            chains.put(i.to_bytes(8, "little"), [i], bytes(32 * links), replaces=0)
+        step(f"chain memo at its bound, {links}-link chains ({len(chains):,} entries)")
+        rows[-1][3] = "the worst case" if links == 1 else "long sessions"
+        del chains
+        _dropped("chain memo dropped", step)
 
     print(f"\nmemory breakdown (VmRSS MB, this process; started at {first:.1f} MB)")
     harness.print_table(["step", "VmRSS", "delta", "note"], rows)
-    print("\ntracemalloc top allocations while the memo filled (by line):")
-    for stat in snapshot.statistics("lineno")[: args.top]:
-        frame = stat.traceback[0]
-        where = f"{Path(frame.filename).name}:{frame.lineno}"
-        print(f"  {stat.size / 1048576:7.1f} MB  {stat.count:>9,} blocks  {where}")
+
+
+def _dropped(what: str, step: Callable[[str], None]) -> None:
+    gc.collect()
+    from proxy.tokens import encodings
+
+    encodings.release_freed_memory()
+    step(what)
+
+
+def snapshot(args: argparse.Namespace) -> None:
+    """Run under `python -X tracemalloc=1`: Python's own allocations once the app is up, by
+    package (BPE tables live in Rust and do not show here)."""
+    import asyncio
+    import tracemalloc
+
+    from proxy.app import create_app
+    from proxy.settings import Settings
+
+    settings = Settings.model_validate(
+        {"upstream": {"base_url": "http://127.0.0.1:9/v1"}, "tokenizer": args.tokenizer}
+    )
+    app = create_app(settings)
+
+    async def run_lifespan() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    asyncio.run(run_lifespan())
+    gc.collect()
+    snap = tracemalloc.take_snapshot()
+    by_package: dict[str, list[float]] = {}
+    for stat in snap.statistics("filename"):
+        name = stat.traceback[0].filename
+        if "site-packages/" in name:
+            package = name.split("site-packages/", 1)[1].split("/", 1)[0]
+        elif f"{harness.ROOT}/" in name:
+            package = name.split(f"{harness.ROOT}/", 1)[1].split("/", 1)[0]
+        elif name.startswith("<"):
+            package = name  # <frozen importlib._bootstrap> and such: code objects of imports
+        else:
+            package = "stdlib:" + Path(name).stem
+        totals = by_package.setdefault(package, [0.0, 0.0])
+        totals[0] += stat.size / 1048576
+        totals[1] += stat.count
+    total = sum(size for size, _ in by_package.values())
+    print(f"\ntracemalloc after start-up: {total:.1f} MB of Python allocations, by package")
+    top = sorted(by_package.items(), key=lambda item: -item[1][0])[: args.top]
+    harness.print_table(
+        ["package", "MB", "blocks"],
+        [[name, f"{size:.1f}", f"{count:,.0f}"] for name, (size, count) in top],
+    )
 
 
 # -- first request -------------------------------------------------------------------------
@@ -210,24 +273,26 @@ def first_request(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("part", nargs="?", choices=["breakdown", "first", "all"], default="all")
+    parts = ["breakdown", "snapshot", "first", "all"]
+    parser.add_argument("part", nargs="?", choices=parts, default="all")
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--requests", type=int, default=50)
-    parser.add_argument("--top", type=int, default=8, help="tracemalloc lines to print")
+    parser.add_argument("--top", type=int, default=12, help="tracemalloc rows to print")
     parser.add_argument(
         "--tokenizer", type=json.loads, default={}, help="tokenizer settings as JSON"
     )
     args = parser.parse_args()
     if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
         os.environ["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
-    if args.part in ("breakdown", "all"):
-        # A fresh interpreter, so imports are measured from nothing.
-        if args.part == "all":
-            cmd = [sys.executable, "-m", "bench.memory", "breakdown", "--top", str(args.top),
+    if args.part == "all":  # fresh interpreters, so imports are measured from nothing
+        for part, flags in (("breakdown", []), ("snapshot", ["-X", "tracemalloc=1"])):
+            cmd = [sys.executable, *flags, "-m", "bench.memory", part, "--top", str(args.top),
                    "--tokenizer", json.dumps(args.tokenizer)]  # fmt: skip
             subprocess.run(cmd, cwd=harness.ROOT, check=True)
-        else:
-            breakdown(args)
+    elif args.part == "breakdown":
+        breakdown(args)
+    elif args.part == "snapshot":
+        snapshot(args)
     if args.part in ("first", "all"):
         first_request(args)
 

@@ -114,7 +114,9 @@ class TokenizerSettings(Section):
     # "fail": refuse to start without the BPE files; "estimate": count ~4 chars/token and say so.
     on_missing: Literal["fail", "estimate"] = "fail"
     remote_image_tokens: int = Field(765, ge=0)
-    memo_max_entries: int = Field(200_000, gt=0)
+    # Token counts remembered (per message, per long text, per history prefix): a fixed table
+    # of 16 bytes an entry, allocated at start (3.2 MB at the default).
+    memo_max_entries: int = Field(200_000, ge=2)
     # Texts longer than this are tokenized in a worker thread, not on the event loop.
     offload_chars: int = Field(32_768, ge=0)
     # A request's count stops past this many prompt tokens and it is refused (400

@@ -236,3 +236,56 @@ def test_a_big_lookup_lets_go_of_the_lock_between_slices() -> None:
     found = memo.get_many([7, None, *range(100, 5100)])
     assert found[:2] == [1, None] and len(found) == 5002
     assert lock.acquired >= 1 + 5002 // 1024  # one for put, then many short holds
+
+
+def test_the_memo_table_is_16_bytes_an_entry_whatever_it_holds() -> None:
+    from proxy.tokens.memo import Memo
+
+    memo = Memo(1000)
+    assert memo.capacity == 1000
+    tables = (memo._keys0, memo._keys1, memo._values0, memo._values1)
+    assert sum(t.itemsize * len(t) for t in tables) == 16 * 1000
+    for key in range(-5000, 5000, 3):
+        memo.put(key * 0x9E3779B97F4A7C15 % (1 << 63), key + 5000)
+    assert len(memo) <= memo.capacity
+    assert sum(t.itemsize * len(t) for t in tables) == 16 * 1000
+
+
+def test_keys_sharing_a_slot_never_share_a_count() -> None:
+    from proxy.tokens.memo import Memo
+
+    memo = Memo(10)  # 5 sets: 3, 8, 13 and -2 all fall in set 3
+    same_set = [3, 8, 13, -2]
+    for count, key in enumerate(same_set):
+        memo.put(key, count)
+    found = memo.get_many(same_set)
+    assert found == [None, None, 2, 3]  # the two most recent stay, each with its own count
+    assert memo.get(3) is None and memo.get(13) == 2
+    memo.put(8, 10)  # 13 was used last: -2 goes
+    assert memo.get_many([8, 13, -2]) == [10, 2, None]
+    assert memo.get(0) is None  # an empty slot's zero key is no entry
+    memo.put(0, 0)
+    assert memo.get(0) == 0
+
+
+def test_a_hit_keeps_an_entry_that_a_newer_one_would_push_out() -> None:
+    from proxy.tokens.memo import Memo
+
+    memo = Memo(2)  # one set of two
+    memo.put(1, 100)
+    memo.put(2, 200)
+    assert memo.get(1) == 100  # 1 is now the most recent
+    memo.put(3, 300)
+    assert memo.get_many([1, 2, 3]) == [100, None, 300]
+    assert len(memo) == 2
+    memo.clear()
+    assert len(memo) == 0 and memo.get(1) is None
+
+
+def test_a_memo_of_fewer_than_two_entries_is_refused() -> None:
+    import pydantic
+
+    from proxy.settings import Settings
+
+    with pytest.raises(pydantic.ValidationError, match="memo_max_entries"):
+        Settings.model_validate({"tokenizer": {"memo_max_entries": 1}})
