@@ -96,12 +96,9 @@ class Spans:
     def index_of(self, message: object) -> int | None:
         """The position of `message` (this very object) in the body, None if it is not one
         of the client's messages (a summary, a copy)."""
-        if self._index is None:
+        if self._index is None:  # the list holds them: no other object can share their ids
             self._index = {id(m): i for i, m in enumerate(self.messages)}
-        index = self._index.get(id(message))
-        if index is None or self.messages[index] is not message:
-            return None
-        return index
+        return self._index.get(id(message))
 
     def key_of(self, message: object) -> int | None:
         index = self.index_of(message)
@@ -110,11 +107,16 @@ class Spans:
     def keys_for(self, messages: Sequence[object]) -> list[int | None]:
         """The key of each of `messages` that is one of the client's; None for the others."""
         keys = self.keys()
-        found: list[int | None] = []
-        for message in messages:
-            index = self.index_of(message)
-            found.append(None if index is None else keys[index])
-        return found
+        if messages:  # a run of the body's own messages (the history after the pinned ones)
+            first = self.index_of(messages[0])
+            if first is not None:
+                run = self.messages[first : first + len(messages)]
+                if list(map(id, run)) == list(map(id, messages)):  # the very objects
+                    found: list[int | None] = list(keys[first : first + len(messages)])
+                    return found
+        self.index_of(None)
+        get = self._index.get  # type: ignore[union-attr]
+        return [None if (i := get(id(m))) is None else keys[i] for m in messages]
 
     def digest(self, index: int) -> bytes:
         """SHA-256 of the message's bytes (SHA-NI makes it the fastest digest here)."""
@@ -163,6 +165,8 @@ def loads_chat(
     messages: list[Any] = []
     starts: list[int] = []
     ends: list[int] = []
+    keys: list[int] = []
+    salt = _RAW_SALT
     search = _END.search
     wasted, allowance = 0, 2 * len(raw) + (1 << 16)  # spans tried that were not elements
     position = element
@@ -171,7 +175,8 @@ def loads_chat(
         if match is None:
             return None
         end = match.start() + 1
-        value = _element(view[element:end])
+        piece = view[element:end]
+        value = _element(piece)
         if value is None:
             wasted += end - element
             if wasted > allowance:
@@ -181,6 +186,7 @@ def loads_chat(
         messages.append(value)
         starts.append(element)
         ends.append(end)
+        keys.append(hash(piece) ^ salt)  # here, while the bytes are in this core's cache
         if max_items and len(messages) > max_items:
             raise TooManyItems("messages", max_items)
         count = len(messages)
@@ -200,7 +206,7 @@ def loads_chat(
     if type(body) is not dict or body.get("messages") != _SENTINEL:
         return None  # the array was not the top-level `messages` (or a later one replaced it)
     body["messages"] = messages
-    return body, Spans(raw, found.start(1), close, starts, ends, messages)
+    return body, Spans(raw, found.start(1), close, starts, ends, messages, keys)
 
 
 async def spans_of(raw: bytes) -> Spans | None:

@@ -62,7 +62,11 @@ class CutRules:
     def is_injected(self, message: Message) -> bool:
         if not self.injected:
             return False
-        head = content_text(message.get("content"))[:_MATCH_CHARS]
+        content = message.get("content")
+        if isinstance(content, str):  # what content_text would give, without copying it all
+            head = content[:_MATCH_CHARS] if content.strip() else ""
+        else:
+            head = content_text(content)[:_MATCH_CHARS]
         return any(p.search(head) for p in self._patterns)
 
 
@@ -166,7 +170,7 @@ def _only_protected(start: int, end: int, task: int | None, asks: tuple[int, ...
 
 
 def _is_user(message: Message) -> bool:
-    return message_role(message) == "user"
+    return isinstance(message, dict) and message.get("role") == "user"
 
 
 def _count_cut(messages: Sequence[Message], start: int, rules: CutRules, partner: list[int]) -> int:
@@ -248,22 +252,28 @@ def keep_tool_pairs(messages: Sequence[Message], cut: int, partner: list[int] | 
 def partners(messages: Sequence[Message]) -> list[int]:
     """For each message, the lowest index that must stay on its side of any cut.
 
-    A cut at c keeps every pair intact exactly when min(partner[c:]) >= c.
+    A cut at c keeps every pair intact exactly when min(partner[c:]) >= c. One pass with
+    no call per ordinary message: it runs on every over-budget turn of a long history.
     """
     calls_at: dict[str, int] = {}
     results_at: dict[str, int] = {}
     last_call: int | None = None
-    call_ids: list[list[str]] = []
+    call_ids: dict[int, list[str]] = {}  # only the messages that have calls
     partner = list(range(len(messages)))
     for index, message in enumerate(messages):
-        ids = _call_ids(message)
-        call_ids.append(ids)
-        for call_id in ids:
-            calls_at[call_id] = index
-        if ids or (isinstance(message, dict) and isinstance(message.get("function_call"), dict)):
+        if type(message) is not dict:
+            continue
+        role = message.get("role")
+        if "tool_calls" in message:
+            ids = _call_ids(message)
+            if ids:
+                call_ids[index] = ids
+                for call_id in ids:
+                    calls_at[call_id] = index
+                last_call = index
+        if "function_call" in message and isinstance(message["function_call"], dict):
             last_call = index
-        role = message_role(message)
-        if role not in ("tool", "function"):
+        if role != "tool" and role != "function":
             continue
         result_id = message.get("tool_call_id") if role == "tool" else None
         if isinstance(result_id, str) and result_id:
@@ -272,7 +282,7 @@ def partners(messages: Sequence[Message]) -> list[int]:
                 partner[index] = calls_at[result_id]
         elif last_call is not None:
             partner[index] = last_call
-    for index, ids in enumerate(call_ids):
+    for index, ids in call_ids.items():
         found = [results_at[i] for i in ids if i in results_at]
         partner[index] = min([partner[index], *found])
     return partner

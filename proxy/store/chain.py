@@ -146,9 +146,11 @@ class ChainMemo:
 
     def longest(self, root: bytes, keys: Sequence[int | None]) -> bytes:
         """The links of the longest remembered prefix (within the last few messages)."""
+        packed = memoryview(_packed(keys))  # sliced by element
         with self._lock:
             for drop in range(0, min(_LOOKBACK, len(keys)) + 1):
-                found = self._cache.get(_memo_key(root, keys[: len(keys) - drop]))
+                prefix = packed[: len(keys) - drop]
+                found = self._cache.get(_digest_of(root, prefix))
                 if found is not None:
                     return found
         return b""
@@ -166,6 +168,15 @@ class ChainMemo:
 
 
 def _memo_key(root: bytes, keys: Sequence[int | None]) -> bytes:
+    return _digest_of(root, memoryview(_packed(keys)))
+
+
+def _packed(keys: Sequence[int | None]) -> array[int]:
+    return array("q", [k or 0 for k in keys])  # the memo only sees complete keys
+
+
+def _digest_of(root: bytes, packed: memoryview) -> bytes:
     """A digest of the keys, not their tuple: 16 bytes per entry instead of ~36 per message."""
-    packed = array("q", [k or 0 for k in keys]).tobytes()  # the memo only sees complete keys
-    return hashlib.blake2b(root + packed, digest_size=16).digest()
+    digest = hashlib.blake2b(root, digest_size=16)
+    digest.update(packed)
+    return digest.digest()

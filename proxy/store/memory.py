@@ -67,7 +67,10 @@ class MemoryStore:
 
     async def lookup_all(self, keys: list[str], max_length: int) -> list[StoredSummary]:
         probed = probe_range(keys, max_length)
-        found = (matches(self._get(probed[k - 1]), k) for k in range(len(probed), 0, -1))
+        # A plain dict probe first (nearly every key misses), the TTL-checked get on hits only.
+        data = getattr(self._cache, "_Cache__data", self._cache)
+        lengths = [k for k in range(len(probed), 0, -1) if probed[k - 1] in data]
+        found = (matches(self._get(probed[k - 1]), k) for k in lengths)
         return [summary for summary in found if summary is not None]
 
     async def put(self, key: str, summary: StoredSummary) -> None:

@@ -390,6 +390,8 @@ class TokenCounter:
         salt = profile.salt
         if given is None or len(given) != len(items):
             keys = [None if (d := content_key(m)) is None else d ^ salt for m in items]
+        elif None not in given:
+            keys = [k ^ salt for k in given]  # type: ignore[operator]
         else:
             keys = [
                 (None if (d := content_key(m)) is None else d ^ salt) if k is None else k ^ salt
