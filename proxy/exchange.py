@@ -15,8 +15,8 @@ error envelopes, and the 499 for a client that went away. Policy stays where it 
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -140,7 +140,7 @@ def _request_id(raw_headers: Iterable[tuple[bytes, bytes]]) -> str:
     for name, value in raw_headers:
         if name == _REQUEST_ID_BYTES and value:
             return value.decode("latin-1")
-    return f"req_{uuid.uuid4().hex}"
+    return f"req_{os.urandom(16).hex()}"  # 128 random bits, as uuid4 (~5x cheaper)
 
 
 class Exchange:

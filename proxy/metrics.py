@@ -71,6 +71,7 @@ class Metrics:
         self._models: set[str] = set()
         self._requests: dict[tuple[str, int | None, str | None], Any] = {}
         self._by_route: dict[str, tuple[Any, Any, Any]] = {}
+        self._children: dict[tuple[str, ...], Any] = {}  # other labelled series, by family
         self._store_errors_seen = 0
         r = self.registry
 
@@ -164,6 +165,8 @@ class Metrics:
             ("backend",),
         )
         self.store_errors.labels(store.name)
+        self._tokens_before = self.prompt_tokens.labels("before")
+        self._tokens_after = self.prompt_tokens.labels("after")
         self.breaker_changed("closed")
         self._process = self._process_gauges() if self.multiprocess else {}
 
@@ -202,13 +205,25 @@ class Metrics:
         if record.overhead_s is not None:
             overhead.observe(record.overhead_s)
         if record.upstream_status is not None:
-            self.upstream_responses.labels(route, str(record.upstream_status)).inc()
+            self._child(
+                self.upstream_responses, "upstream", route, str(record.upstream_status)
+            ).inc()
             if record.upstream_ttfb_s is not None:
                 ttfb.observe(record.upstream_ttfb_s)
         errors = self.store.errors
         if errors != self._store_errors_seen:
             self.store_errors.labels(self.store.name).inc(errors - self._store_errors_seen)
             self._store_errors_seen = errors
+
+    def _child(self, family: Any, name: str, *labels: str) -> Any:
+        """`family.labels(*labels)`, kept at hand (labels() validates on every call)."""
+        key = (name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = family.labels(*labels)
+            if len(self._children) < _CHILD_CACHE:
+                self._children[key] = child
+        return child
 
     def model_label(self, model: str | None) -> str:
         if not model:
@@ -224,20 +239,20 @@ class Metrics:
     # The compaction step, the summarizer and its breaker.
 
     def observe(self, outcome: Outcome, seconds: float) -> None:
-        self.compactions.labels(outcome.status, outcome.reason or "").inc()
+        self._child(self.compactions, "compactions", outcome.status, outcome.reason or "").inc()
         if outcome.tokens_before is not None:
             after = (
                 outcome.tokens_after if outcome.tokens_after is not None else outcome.tokens_before
             )
-            self.prompt_tokens.labels("before").inc(outcome.tokens_before)
-            self.prompt_tokens.labels("after").inc(after)
+            self._tokens_before.inc(outcome.tokens_before)
+            self._tokens_after.inc(after)
             if after < outcome.tokens_before:
                 self.tokens_saved.inc(outcome.tokens_before - after)
         if outcome.usage.input_tokens or outcome.usage.output_tokens:
             self.summarizer_tokens.labels("input").inc(outcome.usage.input_tokens)
             self.summarizer_tokens.labels("output").inc(outcome.usage.output_tokens)
         if outcome.cache is not None:
-            self.store_lookups.labels(outcome.cache).inc()
+            self._child(self.store_lookups, "store_lookups", outcome.cache).inc()
         if outcome.status in ("compacted", "extended", "reused", "over_budget"):
             self.compaction_seconds.observe(seconds)
 
