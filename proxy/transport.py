@@ -190,6 +190,45 @@ def _headers_for_aiohttp(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]
     return [(k, v) for k, v in pairs if k.lower() != "transfer-encoding"]
 
 
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_YARL_URLS: dict[str, URL] = {}
+
+
+def _yarl_url(url: httpx.URL) -> URL:
+    text = str(url)
+    parsed = _YARL_URLS.get(text)
+    if parsed is None:
+        parsed = URL(text, encoded=True)
+        if len(_YARL_URLS) >= 256:
+            _YARL_URLS.clear()
+        if not url.query:  # a query may carry a credential: not kept
+            _YARL_URLS[text] = parsed
+    return parsed
+
+
+def _headers_as_httpx_sends(
+    method: str, url: httpx.URL, headers: list[tuple[bytes, bytes]], content: bytes | None
+) -> list[tuple[bytes, bytes]]:
+    """The header list `httpx.Request(method, url, headers=headers, content=content)` builds:
+    Host first (unless given), the headers as given, then Content-Length for a non-empty body
+    (unless given), or `Content-Length: 0` for an empty POST/PUT/PATCH."""
+    names = {name.lower() for name, _ in headers}
+    raw = list(headers)
+    if content and b"content-length" not in names:
+        raw.append((b"Content-Length", str(len(content)).encode("ascii")))
+        names.add(b"content-length")
+    auto: list[tuple[bytes, bytes]] = []
+    if b"host" not in names and url.host:
+        auto.append((b"Host", url.netloc))
+    if (
+        b"content-length" not in names
+        and b"transfer-encoding" not in names
+        and method.upper() in _BODY_METHODS
+    ):
+        auto.append((b"Content-Length", b"0"))
+    return auto + raw
+
+
 def _buffered(reader: aiohttp.StreamReader) -> bytes:
     """Bytes received but not yet read, without the stored-exception check (private API)."""
     read_nowait = getattr(reader, "_read_nowait", None)
@@ -276,6 +315,12 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             self._loop = loop
         return self._slots
 
+    def _session_here(self) -> aiohttp.ClientSession:
+        session = self._session
+        if session is None or session.closed:
+            session = self._session = self._new_session()
+        return session
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         slots = self._bind_loop(asyncio.get_running_loop())
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
@@ -284,10 +329,55 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             headers = _headers_for_aiohttp(request.headers.raw)
             if headers is None:
                 return await self._send_fallback(request, slots)
-            session = self._session
-            if session is None or session.closed:
-                session = self._session = self._new_session()
-            return await self._send(session, request, headers, slots, timeouts)
+            # The bytes (None if empty), or an async iterable aiohttp sends chunked (or by
+            # Content-Length).
+            data: Any = request.stream
+            if isinstance(data, httpx.ByteStream):
+                data = request.content or None
+            return await self._send(
+                self._session_here(),
+                request.method,
+                URL(str(request.url), encoded=True),
+                headers,
+                data,
+                slots,
+                timeouts,
+                request.extensions.get("sni_hostname"),
+            )
+        except BaseException:
+            slots.release()
+            raise
+
+    async def send_bytes(
+        self,
+        method: str,
+        url: httpx.URL,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | None,
+        timeouts: dict[str, float | None],
+    ) -> httpx.Response:
+        """`handle_async_request(httpx.Request(method, url, headers=headers, content=content))`
+        (with `timeouts` as its timeout extension) without building the httpx.Request: the
+        same header bytes go out in the same order and the same errors come back."""
+        raw = _headers_as_httpx_sends(method, url, headers, content)
+        text = _headers_for_aiohttp(raw)
+        if text is None:  # not UTF-8: httpx's own transport writes the bytes as given
+            request = httpx.Request(method, url, headers=raw, content=content)
+            request.extensions["timeout"] = timeouts
+            return await self.handle_async_request(request)
+        slots = self._bind_loop(asyncio.get_running_loop())
+        await slots.acquire(timeouts.get("pool"))
+        try:
+            return await self._send(
+                self._session_here(),
+                method.upper(),
+                _yarl_url(url),
+                text,
+                content or None,
+                slots,
+                timeouts,
+                None,
+            )
         except BaseException:
             slots.release()
             raise
@@ -304,28 +394,25 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
     async def _send(
         self,
         session: aiohttp.ClientSession,
-        request: httpx.Request,
+        method: str,
+        url: URL,
         headers: list[tuple[str, str]],
+        data: Any,
         slots: _Slots,
         timeouts: dict[str, float | None],
+        sni_hostname: str | None,
     ) -> httpx.Response:
-        stream = request.stream
-        data: Any
-        if isinstance(stream, httpx.ByteStream):
-            data = request.content or None
-            if data is not None and len(data) > _LARGE_BODY:
-                data = io.BytesIO(data)
-        else:
-            data = stream  # an async iterable; aiohttp sends it chunked (or by Content-Length)
+        if isinstance(data, bytes) and len(data) > _LARGE_BODY:
+            data = io.BytesIO(data)
         with _map_errors(sending=True):
             response = await session.request(
-                request.method,
-                URL(str(request.url), encoded=True),
+                method,
+                url,
                 headers=headers,
                 data=data,
                 allow_redirects=False,
                 timeout=self._timeout(timeouts),
-                server_hostname=request.extensions.get("sni_hostname"),
+                server_hostname=sni_hostname,
             )
         extensions = _HTTP_11
         if response.reason:
@@ -381,6 +468,11 @@ class ServedTransport(httpx.AsyncBaseTransport):
             self._served.warm()
 
     @property
+    def direct(self) -> UpstreamTransport | None:
+        """The aiohttp transport once served (None before: httpx's own carries requests)."""
+        return self._served
+
+    @property
     def slots(self) -> PoolSlots | None:
         """The aiohttp pool's slots once served (httpx's own pool keeps no such count)."""
         return self._served.slots if self._served is not None else None
@@ -404,6 +496,17 @@ def pool_slots(client: httpx.AsyncClient) -> PoolSlots | None:
     if isinstance(transport, UpstreamTransport | ServedTransport):
         return transport.slots
     return None
+
+
+def direct_transport(client: httpx.AsyncClient, url: httpx.URL) -> UpstreamTransport | None:
+    """The aiohttp transport that carries `client`'s request to `url`, when the client picks
+    it (so not a proxy mount from HTTP(S)_PROXY, nor a mock that patches the client) and the
+    app is served (see ServedTransport). Such a request can go to it without httpx building
+    and sending it (`UpstreamTransport.send_bytes`)."""
+    transport = client._transport_for_url(url)
+    if isinstance(transport, ServedTransport):
+        return transport.direct
+    return transport if isinstance(transport, UpstreamTransport) else None
 
 
 def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:

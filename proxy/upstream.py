@@ -29,7 +29,7 @@ from proxy.headers import (
 from proxy.paths import quote_query
 from proxy.redact import host_of
 from proxy.settings import UpstreamSettings
-from proxy.transport import PoolSlots, pool_slots
+from proxy.transport import PoolSlots, direct_transport, pool_slots
 
 log = logging.getLogger("proxy.upstream")
 
@@ -110,9 +110,16 @@ class Upstream:
         # A bare Request, not client.build_request: the client's default headers (Accept,
         # Accept-Encoding, User-Agent) would be added to what the client sent.
         try:
-            request = httpx.Request(
-                method, self._url(path, query), headers=as_bytes(headers), content=content
-            )
+            url = self._url(path, query)
+            direct = direct_transport(self.client, url)
+            if direct is not None and not isinstance(content, AsyncIterator):
+                # Served over aiohttp: the same request without httpx building and sending it.
+                raw = as_bytes(headers)
+                try:
+                    return await direct.send_bytes(method, url, raw, content, self._timeouts)
+                except httpx.HTTPError as exc:
+                    raise self.failure(exc) from None
+            request = httpx.Request(method, url, headers=as_bytes(headers), content=content)
         except httpx.InvalidURL as exc:
             raise ProxyError(
                 400, f"The request URL cannot be forwarded: {exc}", code="invalid_url"

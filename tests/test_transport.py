@@ -24,6 +24,7 @@ from proxy.transport import (
     ServedTransport,
     UpstreamTransport,
     create_upstream_client,
+    direct_transport,
     upstream_limits,
 )
 
@@ -415,3 +416,48 @@ async def test_respx_using_httpx_intercepts_a_served_app_too() -> None:
             reply = await proxy.get("/v1/models")
     assert reply.json() == {"object": "list", "data": []}
     assert route.called
+
+
+@pytest.mark.parametrize(
+    ("method", "headers", "content"),
+    [
+        ("POST", [(b"Authorization", b"Bearer k"), (b"X-Title", b"Caf\xc3\xa9")], b'{"a":1}'),
+        ("POST", [(b"x-a", b"1")], b""),
+        ("GET", [(b"x-a", b"1")], None),
+        ("put", [(b"x-a", b"1"), (b"content-length", b"2")], b"{}"),
+        ("POST", [(b"Host", b"elsewhere.test"), (b"x-a", b"1")], b"{}"),
+    ],
+)
+async def test_a_request_sent_without_httpx_goes_out_as_httpx_would_send_it(
+    upstream: Upstream, method: str, headers: list[tuple[bytes, bytes]], content: bytes | None
+) -> None:
+    # The served proxy hands its requests straight to the aiohttp transport; the upstream
+    # must see the same header bytes, in the same order, as through httpx's own client.
+    url = httpx.URL(f"{upstream.url}/echo")
+    async with client_for(upstream.url) as client:
+        transport = client._transport
+        assert isinstance(transport, UpstreamTransport)
+        direct = await transport.send_bytes(method, url, headers, content, {})
+        await direct.aread()
+        request = httpx.Request(method, url, headers=headers, content=content)
+        via_httpx = await client.send(request)
+    assert direct.status_code == via_httpx.status_code == 200
+    assert upstream.received_headers[0] == upstream.received_headers[1]
+    assert direct.json()["size"] == len(content or b"")
+
+
+async def test_only_a_served_client_without_mounts_or_mocks_is_sent_to_directly(
+    upstream: Upstream,
+) -> None:
+    url = httpx.URL(f"{upstream.url}/echo")
+    async with client_for(upstream.url) as served, in_process_client_for(upstream.url) as before:
+        assert isinstance(direct_transport(served, url), UpstreamTransport)
+        assert direct_transport(before, url) is None  # respx and friends patch httpx's
+        with respx.mock(using="httpx", assert_all_called=False):
+            assert direct_transport(served, url) is None  # the client is patched: no bypass
+    proxied = httpx.AsyncClient(
+        transport=UpstreamTransport(httpx.Limits()),
+        mounts={"http://": httpx.AsyncHTTPTransport()},
+    )
+    async with proxied:
+        assert direct_transport(proxied, url) is None  # a proxy mount carries it
