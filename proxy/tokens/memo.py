@@ -17,8 +17,8 @@ Strings hash with Python's per-process keyed SipHash, so clients cannot aim coll
 from __future__ import annotations
 
 import marshal
+import mmap
 import threading
-from array import array
 from typing import Any, cast
 
 _MARSHAL_VERSION = 2  # no back-references: the bytes depend on content only, not on sharing
@@ -51,7 +51,7 @@ class Memo:
     number of sets), the most recently used first; a new key takes the first slot and the
     other entry of its set goes, so each set drops its least recently used one. Keys are
     matched on all 64 bits, as the LRU did: a miss is possible, a wrong count is not.
-    Counts are never negative; -1 marks an empty slot.
+    The table is anonymous memory, so RSS grows with the pages written, not with the bound.
     """
 
     def __init__(self, max_entries: int) -> None:
@@ -60,9 +60,14 @@ class Memo:
         self._lock = threading.Lock()
 
     def _new_tables(self) -> None:
-        zeros, empty = array("q", [0]) * self._sets, array("q", [-1]) * self._sets
-        self._keys0, self._keys1 = zeros, array("q", zeros)  # way 0: the set's newer entry
-        self._values0, self._values1 = empty, array("q", empty)
+        """Four arrays in one anonymous mapping: zero pages that count in RSS once written,
+        so an idle memo costs nothing. A zero count slot is empty: counts are kept plus 1."""
+        size = 8 * self._sets
+        self._map = mmap.mmap(-1, 4 * size)
+        view = memoryview(self._map)
+        self._keys0, self._keys1, self._values0, self._values1 = (
+            view[i * size : (i + 1) * size].cast("q") for i in range(4)
+        )
         self._size = 0
 
     def get_many(self, keys: list[int | None]) -> list[int | None]:
@@ -83,8 +88,8 @@ class Memo:
                         append(None)
                         continue
                     at = key % sets
-                    if keys0[at] == key and (value := values0[at]) >= 0:
-                        append(value)
+                    if keys0[at] == key and (value := values0[at]):
+                        append(value - 1)
                     else:
                         append(self._second_locked(key, at))
         return found
@@ -92,33 +97,34 @@ class Memo:
     def get(self, key: int) -> int | None:
         at = key % self._sets
         with self._lock:
-            if self._keys0[at] == key and (value := self._values0[at]) >= 0:
-                return value
+            if self._keys0[at] == key and (value := self._values0[at]):
+                return value - 1
             return self._second_locked(key, at)
 
     def _second_locked(self, key: int, at: int) -> int | None:
         """A hit in the second slot moves it to the first."""
-        if self._keys1[at] == key and (value := self._values1[at]) >= 0:
+        if self._keys1[at] == key and (value := self._values1[at]):
             self._keys1[at], self._values1[at] = self._keys0[at], self._values0[at]
             self._keys0[at], self._values0[at] = key, value
-            return value
+            return value - 1
         return None
 
     def put(self, key: int, value: int) -> None:
-        if value < 0 or not _MIN <= key <= _MAX:  # (every key here is a 64-bit hash)
+        if not 0 <= value < _MAX or not _MIN <= key <= _MAX:  # (keys are 64-bit hashes)
             return
+        stored = value + 1
         at = key % self._sets
         with self._lock:
             keys0, values0, keys1, values1 = self._keys0, self._values0, self._keys1, self._values1
-            if keys0[at] == key and values0[at] >= 0:
-                values0[at] = value
-            elif keys1[at] == key and values1[at] >= 0:
-                values1[at] = value
+            if keys0[at] == key and values0[at]:
+                values0[at] = stored
+            elif keys1[at] == key and values1[at]:
+                values1[at] = stored
             else:  # the set's older entry goes, or an empty slot fills
-                if values1[at] < 0:
+                if not values1[at]:
                     self._size += 1
                 keys1[at], values1[at] = keys0[at], values0[at]
-                keys0[at], values0[at] = key, value
+                keys0[at], values0[at] = key, stored
 
     def __len__(self) -> int:
         return self._size
