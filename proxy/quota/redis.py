@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
+from proxy.quota.resp import ChargeLine, pack
 from proxy.quota.windows import Windows, windows_at
 from proxy.store.connect import RedisClient
 
@@ -80,7 +81,13 @@ class RedisLedger:
         self._retry_at = float("-inf")
         self._clock = clock
         self._charge = client.register_script(_CHARGE_LUA)
-        # Pipelined charges on a single node; a cluster client sends each on its own.
+        # A single node: charges go on one dedicated pipelined connection (see resp.py), or
+        # over TLS as redis-py pipelines; a cluster client sends each on its own.
+        self.line = (
+            ChargeLine.of(client, _CHARGE_LUA)
+            if isinstance(client, Redis) and ChargeLine.supports(client)
+            else None
+        )
         self._batching = isinstance(client, Redis)
         self._queue: list[tuple[list[str], list[int], asyncio.Future[list[Any]]]] = []
         self._senders: set[asyncio.Task[None]] = set()
@@ -122,7 +129,9 @@ class RedisLedger:
             _DAY_TTL_S,
         ]
 
-        if self._batching:
+        if self.line is not None:
+            result = await self._line_charge(keys, args)
+        elif self._batching:
             result = await self._batched_charge(keys, args)
         else:
 
@@ -133,6 +142,25 @@ class RedisLedger:
         denied = result[0].decode() if isinstance(result[0], bytes) else result[0]
         counts = [int(value) for value in result[1:]]
         return Charge(cast(Denial, denied) if denied else None, *counts)
+
+    async def _line_charge(self, keys: list[str], args: list[int]) -> list[Any]:
+        assert self.line is not None
+        if self._clock() < self._retry_at:
+            raise LedgerUnavailable(self.last_error or "redis unavailable")
+        command = pack("EVALSHA", self._charge.sha, len(keys), *keys, *args)
+        try:
+            try:
+                return cast(list[Any], await self.line.call(command))
+            except NoScriptError:  # Redis's script cache was flushed: load it, resend once
+                script = self._charge.script
+                text = script if isinstance(script, str | bytes) else bytes(script)
+                await self.line.call(pack("SCRIPT", "LOAD", text))
+                return cast(list[Any], await self.line.call(command))
+        except _OUTAGE as exc:
+            self.errors += 1
+            self.last_error = type(exc).__name__
+            self._retry_at = self._clock() + self._retry_after_s
+            raise LedgerUnavailable(self.last_error) from exc
 
     async def _batched_charge(self, keys: list[str], args: list[int]) -> list[Any]:
         """Charges made in the same loop iteration go out as one pipeline: one write and one
@@ -236,5 +264,7 @@ class RedisLedger:
         return await self._guarded(call)
 
     async def close(self) -> None:
+        if self.line is not None:
+            self.line.close()
         with contextlib.suppress(*_OUTAGE):
             await self.client.aclose()

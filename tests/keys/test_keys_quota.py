@@ -314,3 +314,114 @@ async def test_memory_spend_written_after_midnight_never_turns_todays_counters_b
     assert (charge.denied, charge.requests, charge.tokens_day) == (None, 2, 800)
     assert charge.spend_day_nano == 0
     assert (await ledger.charge("k", limits, 400, windows_at(today + 2))).denied == "tokens_day"
+
+
+@pytest.mark.parametrize("line", [True, False], ids=["own-line", "redis-py-pipeline"])
+async def test_concurrent_charges_share_round_trips_and_stay_exact_across_replicas(
+    make_app: Any, upstream: respx.MockRouter, redis_prefix: str, line: bool
+) -> None:
+    """The proxy's own line, or redis-py pipelines (its fallback, e.g. over TLS)."""
+    upstream.post("/chat/completions").respond(json=REPLY)
+    settings = keyed_settings(
+        key_entry("team-a", KEY_A, requests_per_minute=30, prompt_tokens_per_day=10**9),
+        quota=redis_quota(redis_prefix),
+    )
+    replicas = [await make_app(settings), await make_app(settings)]
+    for replica in replicas:
+        replica.state.quotas.clock = lambda: 1_800_000_010.0
+        if not line:
+            replica.state.quotas.ledger.line = None
+
+    async def send(i: int) -> int:
+        client = replicas[i % 2].client
+        reply = await client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+        return reply.status_code
+
+    codes = await asyncio.gather(*(send(i) for i in range(30 + 25)))
+    assert sorted(codes) == [200] * 30 + [429] * 25
+    assert all(replica.state.quotas.ledger.errors == 0 for replica in replicas)
+    if not line:
+        return
+    lines = [replica.state.quotas.ledger.line for replica in replicas]
+    assert all(line is not None for line in lines)
+    # Coalesced: fewer writes to Redis than charges (each charge still its own script run).
+    assert sum(line.round_trips for line in lines) < sum(line.commands for line in lines)
+
+
+async def test_a_charge_after_redis_forgot_the_script_loads_it_again(redis_prefix: str) -> None:
+    from redis.asyncio import Redis
+
+    from proxy.auth.keys import Limits
+    from proxy.quota.redis import _CHARGE_LUA, RedisLedger
+
+    client = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=5)
+    ledger = RedisLedger(client, redis_prefix)
+    assert ledger.line is not None
+    # A script text of its own that this Redis has never seen, as after SCRIPT FLUSH or a
+    # restart, and nothing loaded when the line connects.
+    ledger._charge = client.register_script(f"{_CHARGE_LUA}\n-- {redis_prefix}")
+    ledger.line.script = ""
+    try:
+        limits = LimitArgs.of(Limits(requests_per_minute=5))
+        charge = await ledger.charge("k", limits, 0, windows_at(1_800_000_010.0))
+        assert (charge.denied, charge.requests, ledger.errors) == (None, 1, 0)
+    finally:
+        await ledger.close()
+
+
+async def test_a_hung_redis_fails_open_after_the_socket_timeout(
+    make_app: Any, upstream: respx.MockRouter
+) -> None:
+    upstream.post("/chat/completions").respond(json=REPLY)
+    received: list[bytes] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.read(65536))
+        await reader.read()  # until the proxy gives up and closes
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    quota = {**redis_quota("p:", f"redis://127.0.0.1:{port}/0"), "socket_timeout_s": 0.2}
+    app = await make_app(
+        keyed_settings(key_entry("team-a", KEY_A, requests_per_minute=1), quota=quota)
+    )
+    try:
+        reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(KEY_A))
+        assert reply.status_code == 200  # unmetered, not stuck
+        assert app.state.quotas.failed_open == 1
+        assert app.state.quotas.ledger.errors == 1
+        assert received and b"SCRIPT" in received[0]
+    finally:
+        server.close()
+
+
+async def test_charges_reconnect_after_redis_drops_the_connection(redis_prefix: str) -> None:
+    from redis.asyncio import Redis
+
+    from proxy.auth.keys import Limits
+    from proxy.quota import LedgerUnavailable
+    from proxy.quota.redis import RedisLedger
+
+    client = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=5)
+    now = [0.0]
+    ledger = RedisLedger(client, redis_prefix, clock=lambda: now[0])
+    limits = LimitArgs.of(Limits(requests_per_minute=10))
+    w = windows_at(1_800_000_010.0)
+    try:
+        assert (await ledger.charge("k", limits, 0, w)).requests == 1
+        assert ledger.line is not None and ledger.line._transport is not None
+        host, port = ledger.line._transport.get_extra_info("sockname")[:2]
+        assert await client.client_kill(f"{host}:{port}")  # only the line's own connection
+        first = ledger.line._transport
+        outcomes: list[int | str] = []
+        for _ in range(3):  # a charge sent as the connection went is unmetered, no more
+            now[0] += 10  # past the outage back-off
+            try:
+                outcomes.append((await ledger.charge("k", limits, 0, w)).requests)
+                break
+            except LedgerUnavailable:
+                outcomes.append("unavailable")
+        assert outcomes in ([2], ["unavailable", 2])
+        assert ledger.line._transport is not first
+    finally:
+        await ledger.close()
