@@ -145,12 +145,15 @@ def cut_history(
                 task_summarized = first < index
     asks: tuple[int, ...] = ()
     if rules.latest_user == "carry":
+        users = [
+            i
+            for i, m in enumerate(messages[start:], start)
+            if isinstance(m, dict) and m.get("role") == "user"
+        ]
         asks = tuple(
             i
-            for i in range(start, len(messages))
-            if _is_user(messages[i])
-            and not rules.is_injected(messages[i])
-            and not (task_summarized and i == first)
+            for i in users
+            if not rules.is_injected(messages[i]) and not (task_summarized and i == first)
         )
     stops = _clean_positions(partner, index, latest)
     # A span of nothing but carried messages has nothing to summarize: move on if possible.
@@ -264,8 +267,17 @@ def partners(messages: Sequence[Message]) -> list[int]:
         if type(message) is not dict:
             continue
         role = message.get("role")
-        if "tool_calls" in message:
-            ids = _call_ids(message)
+        calls = message.get("tool_calls")
+        if calls:
+            ids = (
+                [
+                    c["id"]
+                    for c in calls
+                    if isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
+                ]
+                if isinstance(calls, list)
+                else []
+            )
             if ids:
                 call_ids[index] = ids
                 for call_id in ids:
@@ -286,12 +298,3 @@ def partners(messages: Sequence[Message]) -> list[int]:
         found = [results_at[i] for i in ids if i in results_at]
         partner[index] = min([partner[index], *found])
     return partner
-
-
-def _call_ids(message: Message) -> list[str]:
-    calls = message.get("tool_calls") if isinstance(message, dict) else None
-    if not isinstance(calls, list):
-        return []
-    return [
-        c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
-    ]
