@@ -11,7 +11,7 @@ byte for byte in both directions (`as_text` / `as_bytes`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from starlette.types import Scope
 
@@ -145,6 +145,24 @@ def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> Head
         for name, value in _end_to_end(upstream_headers)
         if name.lower() not in _RESPONSE_RECOMPUTED
     ]
+
+
+_RESPONSE_DROP_RAW = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | _RESPONSE_RECOMPUTED)
+
+
+def client_response_raw(
+    upstream_raw: Iterable[tuple[bytes, bytes]], extra: Mapping[str, str]
+) -> RawHeaders:
+    """`client_response_headers` of the upstream's wire headers, then `extra` (replacing any
+    same-named ones), as wire bytes with lower-case names: the reply's headers, one pass."""
+    pairs = list(upstream_raw)
+    ours = [(_encode(name).lower(), _encode(value)) for name, value in extra.items()]
+    drop = _RESPONSE_DROP_RAW.union(name for name, _ in ours)
+    for name, value in pairs:
+        if name.lower() == b"connection":
+            drop = drop.union(t.strip().lower() for t in value.split(b",") if t.strip())
+    kept = [(name.lower(), value) for name, value in pairs]
+    return [pair for pair in kept if pair[0] not in drop] + ours
 
 
 def client_headers_of(scope: Scope) -> Headers:

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import io
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +149,12 @@ class _ResponseStream(httpx.AsyncByteStream):
                     return
                 yield chunk
 
-    async def aclose(self) -> None:
+    async def read(self) -> bytes:
+        """The whole body (what iterating it would give, in one piece)."""
+        with _map_errors(sending=False):
+            return await self._response.content.read()
+
+    async def aclose(self) -> None:  # never suspends (see closes_at_once)
         if self._slot is None:
             return
         self._slot.release()
@@ -507,6 +512,19 @@ def direct_transport(client: httpx.AsyncClient, url: httpx.URL) -> UpstreamTrans
     if isinstance(transport, ServedTransport):
         return transport.direct
     return transport if isinstance(transport, UpstreamTransport) else None
+
+
+def read_whole(response: httpx.Response) -> Coroutine[Any, Any, bytes] | None:
+    """Reading `response`'s raw body to the end, straight from aiohttp (None: another
+    transport's response; iterate `aiter_raw()`). Any failure is httpx's, as when iterating."""
+    stream = response.stream
+    return stream.read() if isinstance(stream, _ResponseStream) else None
+
+
+def closes_at_once(response: httpx.Response) -> bool:
+    """Closing `response` cannot suspend (an aiohttp response sent directly, see send_bytes):
+    no cancellation can land in the middle of it, so it needs no shield."""
+    return isinstance(response.stream, _ResponseStream)
 
 
 def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:

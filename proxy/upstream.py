@@ -23,13 +23,12 @@ from proxy.headers import (
     Headers,
     RawHeaders,
     as_bytes,
-    as_text,
-    client_response_headers,
+    client_response_raw,
 )
 from proxy.paths import quote_query
 from proxy.redact import host_of
 from proxy.settings import UpstreamSettings
-from proxy.transport import PoolSlots, direct_transport, pool_slots
+from proxy.transport import PoolSlots, closes_at_once, direct_transport, pool_slots, read_whole
 
 log = logging.getLogger("proxy.upstream")
 
@@ -206,6 +205,9 @@ class Upstream:
         async def read() -> bytes:  # the wire bytes: no content-decoding
             if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
                 return upstream.content
+            whole = read_whole(upstream)
+            if whole is not None:  # the aiohttp stream reads to the end itself
+                return await whole
             return b"".join([chunk async for chunk in upstream.aiter_raw()])
 
         try:
@@ -237,10 +239,7 @@ class Upstream:
 
 def _client_headers(upstream: httpx.Response, extra: dict[str, str]) -> RawHeaders:
     """The upstream's end-to-end headers as received, then ours (which replace same-named)."""
-    names = {name.lower() for name in extra}
-    relayed = client_response_headers(as_text(upstream.headers.raw))
-    kept = [(k, v) for k, v in relayed if k.lower() not in names]
-    return [(k.lower(), v) for k, v in as_bytes([*kept, *extra.items()])]
+    return client_response_raw(upstream.headers.raw, extra)
 
 
 class RelayResponse(StreamingResponse):
@@ -283,6 +282,9 @@ class RelayResponse(StreamingResponse):
 
 
 async def _close(upstream: httpx.Response) -> None:
+    if closes_at_once(upstream):  # nothing to shield: it never suspends
+        await upstream.aclose()
+        return
     with anyio.CancelScope(shield=True):
         await upstream.aclose()
 

@@ -102,6 +102,32 @@ async def test_hop_by_hop_headers_stripped_both_ways(
     assert response.headers["x-upstream-extra"] == "1"
 
 
+async def test_reply_headers_drop_hop_by_hop_and_date_and_give_way_to_the_proxys(
+    client: httpx.AsyncClient, upstream: respx.MockRouter
+) -> None:
+    upstream.post("/chat/completions").respond(
+        json=CHAT_REPLY,
+        headers=[
+            ("Connection", "close, X-Hop"),
+            ("X-Hop", "per connection"),
+            ("Date", "Tue, 01 Dec 2026 00:00:00 GMT"),
+            ("X-Compaction-Status", "forged"),
+            ("OpenAI-Processing-MS", "12"),
+            (b"X-Title", b"Caf\xe9"),
+        ],
+    )
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]},
+    )
+    names = [name for name, _ in response.headers.raw]
+    assert b"x-hop" not in names and b"connection" not in names
+    assert response.headers.get_list("x-compaction-status") == ["passthrough"]
+    assert response.headers["openai-processing-ms"] == "12"
+    assert (b"x-title", b"Caf\xe9") in response.headers.raw  # the upstream's bytes as sent
+    assert all(name == name.lower() for name in names)
+
+
 async def test_request_id_added_when_missing_and_kept_when_sent(
     client: httpx.AsyncClient, upstream: respx.MockRouter
 ) -> None:
