@@ -194,6 +194,13 @@ def _has_usage(data: bytes) -> bool:
 
 
 def _event_payload(event: bytes) -> Any:
+    if event.startswith(b"data: ") and event.count(b"\n") == 2 and event.endswith(b"\n\n"):
+        data = event[6:-2]  # one data line, as OpenAI sends them
+        if b"\r" not in data:
+            try:
+                return json.loads(data)
+            except (ValueError, UnicodeDecodeError):
+                return None
     lines = event.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
     data = b"\n".join(line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:"))
     try:
@@ -215,12 +222,17 @@ class StreamTap:
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to send the client now for this chunk (b"" while an event is held)."""
         self.events += chunk.count(b"data:")
-        data = self._held + chunk if self._held else chunk
-        end = len(data) if data.endswith(b"\n\n") else _last_boundary(data)
-        if end < len(data) and len(data) - end <= _MAX_EVENT_BYTES:
-            complete, self._held = data[:end], data[end:]
+        if not self._held and chunk.endswith(b"\n\n"):  # the usual: whole events
+            if b'"usage":{' not in chunk and b'"usage": {' not in chunk:
+                return chunk
+            complete = chunk
         else:
-            complete, self._held = data, b""
+            data = self._held + chunk if self._held else chunk
+            end = len(data) if data.endswith(b"\n\n") else _last_boundary(data)
+            if end < len(data) and len(data) - end <= _MAX_EVENT_BYTES:
+                complete, self._held = data[:end], data[end:]
+            else:
+                complete, self._held = data, b""
         if not self.hide:
             # Read-only: the chunk goes out as it came; the usage event is read from a copy.
             if complete and _has_usage(complete):
