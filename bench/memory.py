@@ -3,7 +3,7 @@
     python -m bench.memory                  # both parts below
     python -m bench.memory breakdown        # RSS step by step in one process
     python -X tracemalloc=1 -m bench.memory snapshot   # Python allocations after start, by package
-    python -m bench.memory first [--starts 5] [--requests 50]
+    python -m bench.memory first [--starts 5] [--requests 50] [--targets proxy proxy+probe relay]
 
 `breakdown` builds the proxy in this process as `serve` does and prints VmRSS after each
 step: the interpreter, each heavy import, the settings, each BPE encoding (tiktoken keeps
@@ -17,7 +17,9 @@ package (imports' code and data included; the Rust BPE tables are not there).
 `first` starts `compaction-proxy serve` `--starts` times (a fresh process each) against
 bench/upstream.py and times request 1 against the median of requests 2..N on one keep-alive
 connection (opened before the clock starts), for a small chat body, non-streaming and
-streaming. Goal: request 1 within 2x of a warm one.
+streaming; `relay` (bench/relay.py) is the same for the bare relay, the floor of this stack,
+and `proxy+probe` the proxy with `server.warm_probe_s` set (the upstream connection opened
+at start). Goal: request 1 within 2x of a warm one.
 """
 
 from __future__ import annotations
@@ -231,43 +233,55 @@ def _timed_requests(port: int, pid: int, stream: bool, count: int) -> list[tuple
     return times
 
 
+def _first_cmd(target: str, port: int) -> list[str]:
+    if target == "relay":
+        return harness.uvicorn_cmd("bench.relay:create_app", port, "uvloop")
+    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)]
+    if target == "proxy+probe":
+        cmd = ["env", "COMPACTION_PROXY_SERVER__WARM_PROBE_S=1", *cmd]
+    return cmd
+
+
 def first_request(args: argparse.Namespace) -> dict[str, Any]:
     env = {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
     if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
         env["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
-    runs: dict[bool, list[list[tuple[float, float]]]] = {False: [], True: []}
-    rest: list[float] = []
+    kinds = [(target, stream) for target in args.targets for stream in (False, True)]
+    runs: dict[tuple[str, bool], list[list[tuple[float, float]]]] = {k: [] for k in kinds}
+    rest: dict[str, list[float]] = {target: [] for target in args.targets}
     with harness.upstream() as up_port:
         env["COMPACTION_PROXY_UPSTREAM__BASE_URL"] = f"http://127.0.0.1:{up_port}/v1"
+        env["BENCH_UPSTREAM"] = f"http://127.0.0.1:{up_port}"
         for start in range(args.starts):
-            for stream in (False, True):  # each kind's first request in its own process
+            for target, stream in kinds:  # each kind's first request in its own process
                 port = harness.free_port()
-                cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)]
-                with harness.server(cmd, port, env) as srv:
-                    rest.append(srv.rest_mb)
-                    runs[stream].append(_timed_requests(port, srv.pid, stream, args.requests))
+                with harness.server(_first_cmd(target, port), port, env) as srv:
+                    rest[target].append(srv.rest_mb)
+                    timed = _timed_requests(port, srv.pid, stream, args.requests)
+                    runs[(target, stream)].append(timed)
             print(f"  start {start + 1}/{args.starts} done", file=sys.stderr)
-    print(f"\nfirst request after start: {args.starts} fresh `serve` processes per kind, "
-          f"request 1 vs requests 2..{args.requests} on one keep-alive connection; medians "
-          "over starts of wall ms and server CPU ms (all threads, /proc schedstat)")  # fmt: skip
+    print(f"\nfirst request after start: {args.starts} fresh processes per row, request 1 vs "
+          f"requests 2..{args.requests} on one keep-alive connection; medians over starts "
+          "of wall ms and server CPU ms (all threads, /proc schedstat)")  # fmt: skip
     rows, ratios = [], {}
-    for stream in (False, True):
+    for target, stream in kinds:
         cells = []
         for which in (0, 1):  # wall, cpu
-            first = statistics.median(run[0][which] for run in runs[stream])
+            first = statistics.median(run[0][which] for run in runs[(target, stream)])
             warm = statistics.median(statistics.median(t[which] for t in run[1:])
-                                     for run in runs[stream])  # fmt: skip
+                                     for run in runs[(target, stream)])  # fmt: skip
             cells += [f"{first:.2f}", f"{warm:.2f}", f"{first / warm:.2f}x"]
-            if which == 0:
-                ratios[stream] = first / warm
-        rows.append(["yes" if stream else "no", *cells])
-    header = ["stream", "request 1 ms", "warm ms", "ratio", "request 1 CPU ms", "warm CPU ms",
-              "CPU ratio"]  # fmt: skip
+            ratios.setdefault((target, stream), []).append(first / warm)
+        rest_mb = statistics.median(rest[target])
+        rows.append([target, "yes" if stream else "no", *cells, f"{rest_mb:.0f}"])
+    header = ["target", "stream", "request 1 ms", "warm ms", "ratio", "request 1 CPU ms",
+              "warm CPU ms", "CPU ratio", "VmRSS at rest MB"]  # fmt: skip
     harness.print_table(header, rows)
-    print(f"VmRSS at rest after start: median {statistics.median(rest):.0f} MB")
-    for stream, ratio in ratios.items():
-        print(f"  stream={'yes' if stream else 'no'}: request 1 / warm {ratio:.2f}x "
-              f"(goal <= 2x): {'PASS' if ratio <= 2 else 'FAIL'}")  # fmt: skip
+    for (target, stream), (wall, cpu) in ratios.items():
+        if target.startswith("proxy"):
+            verdict = "PASS" if wall <= 2 else "FAIL"
+            print(f"  {target} stream={'yes' if stream else 'no'}: request 1 / warm {wall:.2f}x "
+                  f"wall, {cpu:.2f}x CPU (goal <= 2x): {verdict}")  # fmt: skip
     return {"ratios": ratios}
 
 
@@ -277,6 +291,10 @@ def main() -> None:
     parser.add_argument("part", nargs="?", choices=parts, default="all")
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument(
+        "--targets", nargs="+", choices=["proxy", "proxy+probe", "relay"],
+        default=["proxy", "relay"],
+    )  # fmt: skip
     parser.add_argument("--top", type=int, default=12, help="tracemalloc rows to print")
     parser.add_argument(
         "--tokenizer", type=json.loads, default={}, help="tokenizer settings as JSON"
