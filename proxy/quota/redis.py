@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
@@ -72,6 +74,9 @@ class RedisLedger:
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # Charges and usage increments are not idempotent: one that timed out may have run, so
+        # it is never sent again (the caller fails open or closed instead of counting twice).
+        client.set_retry(Retry(NoBackoff(), 0))
         self.client = client
         self.prefix = key_prefix
         self.retention_days = retention_days
