@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy import jsonbytes
+from proxy import jsonbytes, jsonspans
 from proxy.chat import reencode
 from proxy.jsonparse import TooManyItems
 from proxy.jsonspans import loads_chat
@@ -59,6 +59,53 @@ def test_span_parser_equals_json_loads_and_spans_are_the_messages(
     assert body == json.loads(raw)
     assert list(body) == list(json.loads(raw))
     assert [json.loads(bytes(spans.view(i))) for i in range(len(history))] == history
+
+
+@given(
+    st.lists(messages, min_size=1, max_size=6),
+    st.dictionaries(st.sampled_from(["model", "tools", "z"]), values, max_size=2),
+    st.sampled_from(FORMATS),
+)
+def test_one_call_fast_path_and_element_by_element_path_agree(
+    history: list[dict[str, Any]], rest: dict[str, Any], form: dict[str, Any]
+) -> None:
+    raw = encoded({**rest, "messages": history}, form)
+    fast = jsonspans.loads_chat_fast(raw)
+    view = memoryview(raw)
+    found = jsonspans._FIELD.search(raw)
+    slow = None if found is None else jsonspans._by_element(raw, view, found, found.end(), 0, 0)
+    if fast is None:  # declined: the element-by-element path decides
+        return
+    if not fast:
+        assert slow is None
+        return
+    assert slow is not None
+    assert fast[0] == slow[0] == json.loads(raw)
+    assert (fast[1].starts, fast[1].ends, fast[1].close) == (
+        slow[1].starts,
+        slow[1].ends,
+        slow[1].close,
+    )
+    assert fast[1].keys() == slow[1].keys()
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["ends like a boundary },{", "ends like the end }],", 'quoted \\"},{"', "}, {", "}]}"],
+)
+def test_strings_that_look_like_element_boundaries(content: str) -> None:
+    history = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"text": content}]},
+        {"role": "user", "content": "next"},
+    ]
+    for form in FORMATS:
+        raw = encoded({"model": "m", "messages": history, "tools": [{"a": content}]}, form)
+        parsed = loads_chat(raw)
+        assert parsed is not None
+        body, spans = parsed
+        assert body == json.loads(raw)
+        assert [json.loads(bytes(spans.view(i))) for i in range(3)] == history
 
 
 def test_what_orjson_refuses_is_read_by_the_stdlib_with_its_span() -> None:

@@ -19,7 +19,7 @@ from proxy.app import create_app
 from proxy.settings import Settings
 from proxy.tokens import TokenCounter
 from proxy.tokens.counter import OFFLOAD_MESSAGES, SLICE_CHARS, TooManyTokens
-from proxy.validation import OFFLOAD_BYTES
+from proxy.validation import INLINE_BYTES, OFFLOAD_BYTES
 from tests.conftest import make_settings, until
 from tests.upstream_fakes import FakeUpstream
 
@@ -137,14 +137,16 @@ async def test_healthz_answers_while_a_big_request_is_being_counted(fake: FakeUp
     counter.close()
 
 
-@pytest.mark.parametrize("parser", ["spans", "stdlib"])
+@pytest.mark.parametrize("parser", ["spans", "stdlib", "refused"])
 async def test_healthz_answers_while_a_big_body_is_being_parsed(
     fake: FakeUpstream, monkeypatch: pytest.MonkeyPatch, parser: str
 ) -> None:
-    """Either parser: the span parser, or the stdlib one when the span parser declines."""
+    """Either parser: the span parser, or the stdlib one when the span parser declines; and
+    a body small enough for the loop that its fast path refuses (a lone surrogate) goes to
+    the span parser in a thread too."""
     started, go = threading.Event(), threading.Event()
-    module: Any = jsonspans if parser == "spans" else jsonparse
-    name = "loads_chat" if parser == "spans" else "loads"
+    module: Any = jsonparse if parser == "stdlib" else jsonspans
+    name = "loads" if parser == "stdlib" else "loads_chat"
     real = getattr(module, name)
 
     def gated(raw: bytes, *args: Any, **kwargs: Any) -> Any:
@@ -155,9 +157,14 @@ async def test_healthz_answers_while_a_big_body_is_being_parsed(
     if parser == "stdlib":
         monkeypatch.setattr(jsonspans, "loads_chat", lambda *args: None)
     monkeypatch.setattr(module, name, gated)
+    body = chat(40_000) if parser != "refused" else chat(400, "x \ud800 " + "y" * 300)
+    raw = json.dumps(body).encode()
+    assert (len(raw) > INLINE_BYTES) == (parser != "refused")
     async for client, _ in serve(make_settings()):
         post = client.post(
-            "/v1/chat/completions", json=chat(20_000), headers={"x-compaction": "off"}
+            "/v1/chat/completions",
+            content=raw,
+            headers={"x-compaction": "off", "content-type": "application/json"},
         )
         big = asyncio.create_task(post)
         await until(started.is_set)
@@ -165,7 +172,7 @@ async def test_healthz_answers_while_a_big_body_is_being_parsed(
         assert not big.done()
         go.set()
         assert (await big).status_code == 200
-    assert fake.forwarded[0] == chat(20_000)
+    assert fake.forwarded[0] == body
 
 
 json_values = st.recursive(
