@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from functools import partial
+from itertools import repeat
 from typing import Any
 
 import anyio.to_thread
@@ -213,6 +214,8 @@ def check_chat_body(body: dict[str, Any], max_messages: int = 0) -> None:
         )
     if max_messages and len(messages) > max_messages:
         raise too_many_messages(max_messages)
+    if _all_have_roles(messages):
+        return
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request(
@@ -231,6 +234,20 @@ def check_chat_body(body: dict[str, Any], max_messages: int = 0) -> None:
                 param=f"messages[{index}].role",
                 code="invalid_value",
             )
+
+
+def _all_have_roles(messages: list[Any]) -> bool:
+    """Every message a dict with a known role, in C loops (~3x the loop that words errors)."""
+    if not all(map(_is_dict, messages)):
+        return False
+    try:
+        return ROLES.issuperset(map(dict.get, messages, repeat("role")))
+    except TypeError:  # an unhashable role: the loop words the error
+        return False
+
+
+def _is_dict(value: object) -> bool:
+    return type(value) is dict
 
 
 def too_many_messages(limit: int) -> ProxyError:
