@@ -3,6 +3,15 @@
 Every key of one proxy key id carries the hash tag `{<id>}`, so on a Redis Cluster they
 share a slot and the charge script (one EVALSHA: read every counter, decide, increment)
 runs atomically on one node. `record` is one non-transactional pipeline off the hot path.
+
+A charge is idempotent: each carries a random id, and the script keeps its result under
+`<prefix>{<id>}:charge:<charge id>` (same slot) for `_CHARGE_TTL_S`. Resent with the same id
+(after a dropped connection the ledger resends a charge once, on every path, and the
+script may already have run), it returns the stored result instead of counting the request
+twice, and a stale connection costs no fail-open window. Memory: one short string key
+(~150 bytes with its expiry; MEMORY USAGE says 136) per charge for 60 s, so charges/s x 60
+live keys: 1,000 charges/s hold ~60,000 keys, ~9 MB.
+
 While Redis is failing, calls raise LedgerUnavailable at once for `retry_after_s` instead of
 waiting on a timeout per request.
 """
@@ -11,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -18,6 +28,7 @@ from typing import Any, TypeVar, cast
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
@@ -28,6 +39,12 @@ from proxy.store.connect import RedisClient
 T = TypeVar("T")
 
 _CHARGE_LUA = """
+local seen = redis.call('GET', KEYS[6])
+if seen then
+  local d, r, tm, td, sd, sm = string.match(seen,
+    '^([%a_]*) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+)$')
+  return {d, tonumber(r), tonumber(tm), tonumber(td), tonumber(sd), tonumber(sm)}
+end
 local function num(k) return tonumber(redis.call('GET', k) or '0') end
 local r, tm, td = num(KEYS[1]), num(KEYS[2]), num(KEYS[3])
 local sd, sm = num(KEYS[4]), num(KEYS[5])
@@ -52,6 +69,8 @@ if denied == '' then
     td = redis.call('INCRBY', KEYS[3], tokens); redis.call('EXPIRE', KEYS[3], ARGV[8])
   end
 end
+redis.call('SET', KEYS[6], string.format('%s %d %d %d %d %d', denied, r, tm, td, sd, sm),
+  'EX', ARGV[9])
 return {denied, r, tm, td, sd, sm}
 """
 
@@ -59,7 +78,18 @@ _OUTAGE = (RedisError, OSError, TimeoutError)
 _MINUTE_TTL_S = 120
 _DAY_TTL_S = 2 * 86400
 _MONTH_TTL_S = 32 * 86400
+_CHARGE_TTL_S = 60  # a charge's stored result: longer than any timeout plus one resend
 _SEP = "\n"  # between model and field in a usage hash (model names never hold one)
+
+
+async def _resent(call: Callable[[], Awaitable[T]]) -> T:
+    """A charge, sent once more after a dropped connection (a stale pooled one, or a reply
+    lost after the script ran: safe, a charge is idempotent). Never after a timeout: that
+    would double the stall."""
+    try:
+        return await call()
+    except RedisConnectionError:
+        return await call()
 
 
 class RedisLedger:
@@ -74,8 +104,9 @@ class RedisLedger:
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # Charges and usage increments are not idempotent: one that timed out may have run, so
-        # it is never sent again (the caller fails open or closed instead of counting twice).
+        # Usage increments are not idempotent: one whose reply was lost may have run, so the
+        # client never sends a command again. Charges are (their charge id): the ledger
+        # resends those itself, once, after a dropped connection (`_resent`).
         client.set_retry(Retry(NoBackoff(), 0))
         self.client = client
         self.prefix = key_prefix
@@ -115,13 +146,24 @@ class RedisLedger:
             self._retry_at = self._clock() + self._retry_after_s
             raise LedgerUnavailable(self.last_error) from exc
 
-    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
+    async def charge(
+        self,
+        key_id: str,
+        limits: LimitArgs,
+        tokens: int,
+        w: Windows,
+        *,
+        charge_id: str | None = None,
+    ) -> Charge:
+        """`charge_id`: the same for every resend of one request's charge (made here if
+        None); a second charge with an id already seen returns the first one's result."""
         keys = [
             self.key(key_id, "rpm", w.minute),
             self.key(key_id, "tpm", w.minute),
             self.key(key_id, "tpd", w.day),
             self.key(key_id, "spend", w.day),
             self.key(key_id, "spend", w.month),
+            self.key(key_id, "charge", charge_id or os.urandom(16).hex()),
         ]
         args = [
             limits.requests,
@@ -132,6 +174,7 @@ class RedisLedger:
             tokens,
             _MINUTE_TTL_S,
             _DAY_TTL_S,
+            _CHARGE_TTL_S,
         ]
 
         if self.line is not None:
@@ -143,24 +186,25 @@ class RedisLedger:
             async def call() -> list[Any]:
                 return cast(list[Any], await self._charge(keys=keys, args=args))
 
-            result = await self._guarded(call)
+            result = await self._guarded(lambda: _resent(call))
         denied = result[0].decode() if isinstance(result[0], bytes) else result[0]
         counts = [int(value) for value in result[1:]]
         return Charge(cast(Denial, denied) if denied else None, *counts)
 
     async def _line_charge(self, keys: list[str], args: list[int]) -> list[Any]:
-        assert self.line is not None
+        line = self.line
+        assert line is not None
         if self._clock() < self._retry_at:
             raise LedgerUnavailable(self.last_error or "redis unavailable")
         command = pack("EVALSHA", self._charge.sha, len(keys), *keys, *args)
         try:
             try:
-                return cast(list[Any], await self.line.call(command))
+                return cast(list[Any], await _resent(lambda: line.call(command)))
             except NoScriptError:  # Redis's script cache was flushed: load it, resend once
                 script = self._charge.script
                 text = script if isinstance(script, str | bytes) else bytes(script)
-                await self.line.call(pack("SCRIPT", "LOAD", text))
-                return cast(list[Any], await self.line.call(command))
+                await line.call(pack("SCRIPT", "LOAD", text))
+                return cast(list[Any], await line.call(command))
         except _OUTAGE as exc:
             self.errors += 1
             self.last_error = type(exc).__name__
@@ -184,7 +228,7 @@ class RedisLedger:
     async def _send_charges(self) -> None:
         queue, self._queue = self._queue, []
         try:
-            results = await self._pipeline_charges(queue)
+            results = await _resent(lambda: self._pipeline_charges(queue))
         except _OUTAGE as exc:
             self.errors += 1
             self.last_error = type(exc).__name__

@@ -10,8 +10,9 @@ other, each atomically), so limits stay exact.
 
 Plain TCP or a unix socket, with AUTH and SELECT from the client's URL; anything else
 (TLS, a credential provider) keeps redis-py (`ChargeLine.supports`). A reply slower than
-`timeout_s` or a dropped connection fails every command in flight (the ledger treats that
-as an outage) and the next command reconnects.
+`timeout_s` or a dropped connection fails every command in flight and the next command
+reconnects (the ledger resends a charge once after a dropped connection, safe because a
+charge is idempotent; a timeout or a second failure is an outage).
 """
 
 from __future__ import annotations

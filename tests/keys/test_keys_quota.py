@@ -428,3 +428,127 @@ async def test_charges_reconnect_after_redis_drops_the_connection(redis_prefix: 
         assert ledger.line._transport is not first
     finally:
         await ledger.close()
+
+
+class _LoseOneReply:
+    """A TCP relay in front of Redis that forwards the first EVALSHA it sees, then throws
+    Redis's reply away and closes the client's connection: a reply lost after the script
+    ran. Every later connection is relayed untouched."""
+
+    def __init__(self) -> None:
+        self.evalshas = 0
+        self.lost = False
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", 6379)
+        drop_next = asyncio.Event()
+
+        async def to_redis() -> None:
+            while data := await reader.read(65536):
+                if b"EVALSHA" in data:
+                    self.evalshas += data.count(b"EVALSHA")
+                    if not self.lost:
+                        drop_next.set()
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def to_client() -> None:
+            while data := await up_reader.read(65536):
+                if drop_next.is_set() and not self.lost:
+                    self.lost = True
+                    writer.transport.abort()
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        tasks = [asyncio.create_task(to_redis()), asyncio.create_task(to_client())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            writer.close()
+            up_writer.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.mark.parametrize("line", [True, False], ids=["own-line", "redis-py"])
+async def test_a_charge_whose_reply_was_lost_is_resent_and_counted_once(
+    redis_prefix: str, line: bool
+) -> None:
+    """The script ran but its reply never arrived: the resend (redis-py's retry, or the
+    line's own) finds the charge already made and returns it; nothing fails open."""
+    from redis.asyncio import Redis
+
+    from proxy.auth.keys import Limits
+    from proxy.quota.redis import RedisLedger
+    from proxy.store.connect import connect
+
+    relay = _LoseOneReply()
+    port = await relay.start()
+    ledger = RedisLedger(connect(f"redis://127.0.0.1:{port}/0", socket_timeout_s=5), redis_prefix)
+    if not line:
+        ledger.line = None
+    limits = LimitArgs.of(Limits(requests_per_minute=2))
+    w = windows_at(1_800_000_010.0)
+    direct = Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        first = await ledger.charge("k", limits, 0, w)
+        assert (first.denied, first.requests, ledger.errors) == (None, 1, 0)
+        assert relay.lost and relay.evalshas == 2  # sent, reply lost, sent again
+        assert await direct.get(ledger.key("k", "rpm", w.minute)) == b"1"
+        second = await ledger.charge("k", limits, 0, w)
+        assert (second.denied, second.requests) == (None, 2)
+        assert (await ledger.charge("k", limits, 0, w)).denied == "requests"
+    finally:
+        relay.close()
+        await ledger.close()
+        await direct.aclose()
+
+
+@pytest.mark.parametrize("where", ["own-line", "redis-py", "cluster"])
+async def test_a_charge_resent_with_the_same_id_is_counted_once(
+    redis_prefix: str, redis_cluster: list[str], where: str
+) -> None:
+    from proxy.auth.keys import Limits
+    from proxy.quota.redis import RedisLedger
+    from proxy.store.connect import connect
+
+    url: str | list[str] = redis_cluster if where == "cluster" else "redis://127.0.0.1:6379/0"
+    ledger = RedisLedger(connect(url, socket_timeout_s=5), redis_prefix)
+    if where == "redis-py":
+        ledger.line = None
+    assert (ledger.line is not None) == (where == "own-line")
+    limits = LimitArgs.of(Limits(requests_per_minute=2, prompt_tokens_per_day=1000))
+    w = windows_at(1_800_000_010.0)
+    try:
+        first = await ledger.charge("k", limits, 300, w, charge_id="a" * 32)
+        again = await ledger.charge("k", limits, 300, w, charge_id="a" * 32)
+        assert first == again == (None, 1, 0, 300, 0, 0)
+        other = await ledger.charge("k", limits, 300, w, charge_id="b" * 32)
+        assert other == (None, 2, 0, 600, 0, 0)
+        denied = await ledger.charge("k", limits, 300, w, charge_id="c" * 32)
+        assert denied.denied == "requests"
+        # A refusal resent is the same refusal, and still counts nothing.
+        assert await ledger.charge("k", limits, 300, w, charge_id="c" * 32) == denied
+        ttl = await ledger.client.ttl(ledger.key("k", "charge", "a" * 32))
+        assert 0 < ttl <= 60
+        if where == "cluster":  # beside the key's counters: one script, one node
+            slot = ledger.client.cluster_keyslot
+            charge_key = ledger.key("k", "charge", "a" * 32)
+            assert await slot(charge_key) == await slot(ledger.key("k", "rpm", w.minute))
+    finally:
+        if where == "cluster":
+            keys = [ledger.key("k", "rpm", w.minute), ledger.key("k", "tpd", w.day)]
+            keys += [ledger.key("k", "charge", c * 32) for c in "abc"]
+            for key in keys:
+                await ledger.client.delete(key)
+        await ledger.close()
