@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from proxy.compaction.cut import CutRules
+from proxy.compaction.cut import CutRules, message_keys
 from proxy.compaction.offload import off_loop
 from proxy.compaction.protocol import Compaction, Cut, Message, SummarizerError
 from proxy.compaction.strategies import StrategyFactory, StrategyOptions, load_strategy
@@ -206,13 +206,14 @@ class Compactor:
             keys = None if spans is None else spans.keys_for(messages)
             return await self.counter.acount_request({**job.body, "messages": messages}, keys)
 
-        cut = await off_loop(
-            len(job.messages),
-            compaction.cut,
-            job.messages,
-            keep_tokens=self.keep_tokens(job),
-            count=count_message,
-        )
+        with message_keys(None if spans is None else spans.keys_for):
+            cut = await off_loop(
+                len(job.messages),
+                compaction.cut,
+                job.messages,
+                keep_tokens=self.keep_tokens(job),
+                count=count_message,
+            )
         if not cut.to_compact:
             return Decision("skipped", "nothing_to_compact")
         floor = await count(cut.forward(compaction.summary_message(""), cut.latest))

@@ -24,12 +24,19 @@ Everything here is linear in the number of messages.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from collections.abc import Callable, Sequence
+import threading
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Literal
+
+from cachetools import LRUCache
 
 from proxy.compaction.protocol import CountMessage, Cut, Message
 from proxy.compaction.render import content_text, message_role
@@ -257,13 +264,35 @@ def partners(messages: Sequence[Message]) -> list[int]:
 
     A cut at c keeps every pair intact exactly when min(partner[c:]) >= c. One pass with
     no call per ordinary message: it runs on every over-budget turn of a long history.
+    Inside `message_keys`, a history that extends a recent one (by its messages' byte keys)
+    only pairs its new messages: appending messages never changes an earlier one's partner.
     """
-    calls_at: dict[str, int] = {}
-    results_at: dict[str, int] = {}
-    last_call: int | None = None
+    keys_for = _KEYS.get()
+    keys = keys_for(messages) if keys_for is not None else None
+    if keys is None or len(keys) != len(messages) or not messages or None in keys:
+        return _pairing(messages, _Pairing([], {}, {}, None)).partner
+    return _MEMO.partners(messages, keys)
+
+
+@dataclass
+class _Pairing:
+    """What pairing messages[:len(partner)] left: enough to pair the messages after them."""
+
+    partner: list[int]
+    calls_at: dict[str, int]  # call id -> its message
+    results_at: dict[str, int]  # result id -> its first message
+    last_call: int | None
+
+
+def _pairing(messages: Sequence[Message], state: _Pairing) -> _Pairing:
+    """`state` (a copy: it is changed) carried on over the messages after it."""
+    calls_at, results_at, last_call = state.calls_at, state.results_at, state.last_call
+    start = len(state.partner)
     call_ids: dict[int, list[str]] = {}  # only the messages that have calls
-    partner = list(range(len(messages)))
-    for index, message in enumerate(messages):
+    partner = state.partner
+    partner += range(start, len(messages))
+    for index in range(start, len(messages)):
+        message = messages[index]
         if type(message) is not dict:
             continue
         role = message.get("role")
@@ -294,7 +323,87 @@ def partners(messages: Sequence[Message]) -> list[int]:
                 partner[index] = calls_at[result_id]
         elif last_call is not None:
             partner[index] = last_call
+    # An earlier call's partner is final: a later result of it is never below it.
     for index, ids in call_ids.items():
         found = [results_at[i] for i in ids if i in results_at]
         partner[index] = min([partner[index], *found])
-    return partner
+    state.last_call = last_call
+    return state
+
+
+_KEYS: ContextVar[Callable[[Sequence[Message]], Sequence[int | None]] | None] = ContextVar(
+    "cut_message_keys", default=None
+)
+
+
+@contextmanager
+def message_keys(
+    keys_for: Callable[[Sequence[Message]], Sequence[int | None]] | None,
+) -> Iterator[None]:
+    """Within: `keys_for(messages)` gives each message's byte key (None: not known), so the
+    pairing of a history that extends a recent one is reused (`PairingMemo`)."""
+    token = _KEYS.set(keys_for)
+    try:
+        yield
+    finally:
+        _KEYS.reset(token)
+
+
+# Messages whose pairing state is remembered (~50 bytes each with the ids: a few MB).
+MEMO_MESSAGES = 65_536
+_LOOKBACK = 8  # a turn adds at most this many messages to the history the previous one sent
+
+
+class PairingMemo:
+    """The pairing state of recent histories by a digest of their messages' byte keys; the
+    entry a history extends is dropped, so a session holds one. Bounded by messages; safe
+    across threads."""
+
+    def __init__(self, max_messages: int = MEMO_MESSAGES) -> None:
+        self._cache: LRUCache[bytes, _Pairing] = LRUCache(
+            maxsize=max_messages, getsizeof=lambda state: len(state.partner) or 1
+        )
+        self._lock = threading.Lock()
+
+    def partners(self, messages: Sequence[Message], keys: Sequence[int | None]) -> list[int]:
+        packed = memoryview(array("q", [k or 0 for k in keys]))
+        digests = [
+            _digest(packed[: len(keys) - drop]) for drop in range(min(_LOOKBACK, len(keys)) + 1)
+        ]
+        with self._lock:
+            found = next(
+                (
+                    (drop, state)
+                    for drop, d in enumerate(digests)
+                    if (state := self._cache.get(d)) is not None
+                ),
+                None,
+            )
+        if found is not None and found[0] == 0:
+            return list(found[1].partner)
+        if found is None:
+            state = _Pairing([], {}, {}, None)
+        else:
+            old = found[1]
+            state = _Pairing(
+                list(old.partner), dict(old.calls_at), dict(old.results_at), old.last_call
+            )
+        state = _pairing(messages, state)
+        if len(messages) <= self._cache.maxsize:
+            with self._lock:
+                if found is not None:
+                    self._cache.pop(digests[found[0]], None)
+                self._cache[digests[0]] = _Pairing(
+                    list(state.partner), state.calls_at, state.results_at, state.last_call
+                )
+        return state.partner
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+def _digest(packed: memoryview) -> bytes:
+    return hashlib.blake2b(packed, digest_size=16, person=b"cp-pairing").digest()
+
+
+_MEMO = PairingMemo()

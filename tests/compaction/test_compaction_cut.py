@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Sequence
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_compaction_better import agent_histories
 
-from proxy.compaction.cut import DEFAULT_INJECTED, CutRules, cut_messages, estimate_message
+from proxy.compaction.cut import (
+    DEFAULT_INJECTED,
+    CutRules,
+    PairingMemo,
+    cut_messages,
+    estimate_message,
+    message_keys,
+    partners,
+)
 from proxy.compaction.protocol import Message
 
 
@@ -56,3 +66,50 @@ def test_carry_mode_cut_invariants(
     over_cap_task = cut.task_summarized and users and users[-1] == users[0]
     if users and users[-1] < cut.length and users[-1] != cut.task and not over_cap_task:
         assert after_summary == [rest[users[-1]]]  # the latest ask, verbatim
+
+
+def _content_keys(messages: Sequence[Message]) -> list[int | None]:
+    """Stand-in for the body parser's byte keys: equal messages, equal key."""
+    return [hash(json.dumps(m, sort_keys=True)) for m in messages]
+
+
+ODD_PAIRS: list[Message] = [
+    {"role": "system", "content": "s"},
+    {"role": "tool", "tool_call_id": "late", "content": "result before its call"},
+    {"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}, {"id": "b"}]},
+    {"role": "tool", "tool_call_id": "b", "content": "b"},
+    {"role": "tool", "content": "no id: the nearest earlier call"},
+    {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+    {"role": "function", "name": "f", "content": "f"},
+    {"role": "assistant", "tool_calls": [{"id": "late"}, {"id": "c"}]},
+    {"role": "tool", "tool_call_id": "a", "content": "a, long after"},
+    {"role": "tool", "tool_call_id": "b", "content": "b again"},
+    {"role": "user", "content": "u"},
+    {"role": "tool", "tool_call_id": "c", "content": "c"},
+]
+
+
+@settings(max_examples=100, deadline=None)
+@given(history=agent_histories(), extra=st.integers(0, len(ODD_PAIRS)))
+def test_pairing_of_a_growing_history_equals_pairing_it_whole(
+    history: list[Message], extra: int
+) -> None:
+    """Turn by turn (1 to 8 new messages each) the remembered pairing is extended, and
+    every turn's partners are those of a pass over the whole history."""
+    history = history + ODD_PAIRS[:extra]
+    memo = PairingMemo()
+    length = 0
+    while length < len(history):
+        length = min(len(history), length + 1 + length % 8)
+        turn = copy.deepcopy(history[:length])  # new objects each turn, as parsed
+        assert memo.partners(turn, _content_keys(turn)) == partners(turn)
+        with message_keys(_content_keys):  # the same through cut_history's entry point
+            assert partners(turn) == memo.partners(turn, _content_keys(turn))
+
+
+def test_pairing_memo_is_bounded_by_messages() -> None:
+    memo = PairingMemo(max_messages=100)
+    for session in range(50):
+        turn: list[Message] = [{"role": "user", "content": f"{session} {i}"} for i in range(30)]
+        memo.partners(turn, _content_keys(turn))
+    assert 1 <= len(memo) <= 100 // 30
