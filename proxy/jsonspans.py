@@ -276,10 +276,13 @@ def _whole_array(
     boundary between two elements (objects with a key, as the checks require) is a candidate,
     so exactly one fewer candidates before the end than elements means none of them is
     inside a string (a string ending in `},{` is the only way to make one)."""
-    if min_average:  # tiny messages: the stdlib's (the scan below costs ~0.3 us a message)
-        roles = raw.count(b'"role"', element)  # at least one a message
-        if roles >= _CHECK_EVERY and len(raw) - element < min_average * roles:
-            return ()
+    window = element + min_average * _CHECK_EVERY
+    if min_average and window < len(raw):  # the element-by-element path's first check
+        # Tiny messages are the stdlib's: the scan below costs ~0.3 us a message. At least
+        # one candidate per message, so this many in the window means they are tiny.
+        for seen, _ in enumerate(_CANDIDATE.finditer(raw, element, window), 1):
+            if seen >= _CHECK_EVERY:
+                return ()
     candidates = [(m.start(), m.end(), m.lastindex) for m in _CANDIDATE.finditer(raw, element)]
     at = next((i for i, (_, _, group) in enumerate(candidates) if group is not None), -1)
     if at < 0:
