@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from hypothesis import HealthCheck, settings
 
 from proxy.tokens import encodings
 
@@ -34,6 +35,13 @@ def _offline_tiktoken_cache() -> None:
 
 
 _offline_tiktoken_cache()
+
+# Property tests check behaviour, never speed: on a loaded machine a slow first example
+# must not fail them (hypothesis' default deadline is 200 ms per example).
+settings.register_profile(
+    "compaction-proxy", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("compaction-proxy")
 
 # Settings read COMPACTION_PROXY_* from the environment; tests must not inherit a user's.
 for _name in [n for n in os.environ if n.startswith("COMPACTION_PROXY_")]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 from typing import Any
 
 import orjson
@@ -217,3 +219,23 @@ def test_chain_memo_gives_the_same_keys_and_hashes_only_new_messages() -> None:
     assert hashed == 2 and second[:10] == first
     assert len(memo) == 1  # the extended entry replaced the one it extended
     assert chain_hashes("other", "n", history) != chain_hashes("s", "n", history)
+
+
+def test_chain_memo_of_many_short_sessions_stays_within_a_few_megabytes() -> None:
+    """Its bound counts each entry's own overhead, not only its links: 200k one-message
+    sessions used to hold ~55 MB in a memo sized for ~4 MB of links."""
+    memo = ChainMemo()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for i in range(200_000):
+            memo.put(i.to_bytes(16, "big"), [i], bytes(32), 0)
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert 1_000 < len(memo) < 20_000
+    assert held < 10_000_000
+    # Long chains still fit as before: one session of 50k messages is remembered.
+    memo.put(b"root", list(range(50_000)), bytes(32 * 50_000), 0)
+    assert memo.longest(b"root", list(range(50_000))) == bytes(32 * 50_000)

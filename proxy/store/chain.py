@@ -33,6 +33,9 @@ CHAIN_VERSION = "raw-bytes-v2"
 _RAW, _CANONICAL = b"r", b"c"
 # Links remembered across requests (32 bytes each: ~4 MB), least recently used out first.
 MEMO_LINKS = 131_072
+# What an entry costs beside its links (key, value object, LRU bookkeeping: ~380 bytes
+# measured), counted in the bound so that many short chains cannot hold ~50 MB.
+_ENTRY_OVERHEAD = 384
 # A turn adds at most this many messages to the history the previous one sent.
 _LOOKBACK = 8
 
@@ -135,12 +138,13 @@ class ChainMemo:
 
     A hit is a prefix of the request's messages whose bytes hashed to the same 64-bit keys
     (Python's per-process keyed hash, as the token memo's); the entry it extends is dropped,
-    so one session holds one entry. Bounded by links; safe across threads.
+    so one session holds one entry. Bounded by links plus each entry's own overhead; safe
+    across threads.
     """
 
     def __init__(self, max_links: int = MEMO_LINKS) -> None:
         self._cache: LRUCache[bytes, bytes] = LRUCache(
-            maxsize=max_links * _DIGEST_SIZE, getsizeof=len
+            maxsize=max_links * _DIGEST_SIZE, getsizeof=_entry_size
         )
         self._lock = threading.Lock()
 
@@ -156,7 +160,7 @@ class ChainMemo:
         return b""
 
     def put(self, root: bytes, keys: Sequence[int | None], chain: bytes, replaces: int) -> None:
-        if len(chain) > self._cache.maxsize:
+        if _entry_size(chain) > self._cache.maxsize:
             return
         with self._lock:
             if replaces:
@@ -165,6 +169,10 @@ class ChainMemo:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+
+def _entry_size(chain: bytes) -> int:
+    return len(chain) + _ENTRY_OVERHEAD
 
 
 def _memo_key(root: bytes, keys: Sequence[int | None]) -> bytes:
