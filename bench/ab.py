@@ -5,7 +5,8 @@
 
 Both are `proxy.app:create_app` under uvicorn (as bench/overhead.py runs it, CPU 0), in
 front of one bench upstream; the load generator alternates between them every cell, so
-both see the same neighbours. Printed per cell: median server CPU us/req of each, the
+both see the same neighbours (`--keys`: both with one proxy key, memory quotas, as
+bench/overhead.py's keys-memory). Printed per cell: median server CPU us/req of each, the
 median of the per-round B/A CPU ratios (the steadiest number on a shared box), p50, req/s.
 """
 
@@ -18,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 from bench import harness
+from bench.overhead import KEY_TARGETS
 
 
 def _start(src: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -37,8 +39,13 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--stream", nargs="+", choices=["no", "yes"], default=["no"])
     parser.add_argument("--duration", type=float, default=2.0)
+    parser.add_argument(
+        "--keys", action="store_true", help="both with bench/overhead.py's keys-memory key"
+    )
     args = parser.parse_args()
     env = {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
+    if args.keys:
+        env |= KEY_TARGETS["keys-memory"]
     cache = harness.ROOT.parent / "shared" / "tiktoken-cache"
     if "TIKTOKEN_CACHE_DIR" not in os.environ and cache.is_dir():
         env["TIKTOKEN_CACHE_DIR"] = str(cache)

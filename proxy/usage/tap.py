@@ -223,7 +223,7 @@ class StreamTap:
         """The bytes to send the client now for this chunk (b"" while an event is held)."""
         self.events += chunk.count(b"data:")
         if not self._held and chunk.endswith(b"\n\n"):  # the usual: whole events
-            if b'"usage":{' not in chunk and b'"usage": {' not in chunk:
+            if b'"usage"' not in chunk:
                 return chunk
             complete = chunk
         else:
@@ -235,12 +235,20 @@ class StreamTap:
                 complete, self._held = data, b""
         if not self.hide:
             # Read-only: the chunk goes out as it came; the usage event is read from a copy.
-            if complete and _has_usage(complete):
-                for start, stop in _spans(complete):
-                    self._take(complete[start:stop])
+            span = _only_usage_span(complete)
+            if span is None:
+                if _has_usage(complete):
+                    for start, stop in _spans(complete):
+                        self._take(complete[start:stop])
+            elif span[1]:
+                self._take(complete[span[0] : span[1]])
             return chunk
-        if complete and _has_usage(complete):
-            return self._without_usage_event(complete)
+        span = _only_usage_span(complete)
+        if span is None:
+            return self._without_usage_event(complete) if _has_usage(complete) else complete
+        start, stop = span
+        if stop and self._take(complete[start:stop]):
+            return complete[:start] + complete[stop:]
         return complete
 
     def end(self) -> bytes:
@@ -279,6 +287,38 @@ class StreamTap:
             if self._take(data[start:stop]):
                 return data[:start] + data[stop:]
         return data
+
+
+def _only_usage_span(data: bytes) -> tuple[int, int] | None:
+    """(start, end) of the one event in `data` that can carry usage, found from its key.
+
+    The chunk holding the usage event usually holds the reply's other events too (a short
+    reply arrives at once), and the event sits at its end, just before `[DONE]`: finding
+    the one `"usage"` key from the end and the blank lines around it replaces splitting the
+    chunk into events and reading each. Given only when it is provably the event `_spans`
+    would find: the key occurs once, and no CR and no run of blank lines is at or around
+    that event's ends. (0, 0): no complete event carries usage. None: split and scan.
+    """
+    keys = data.count(b'"usage"')
+    if keys != 1:
+        return (0, 0) if keys == 0 else None
+    at = data.rfind(b'"usage"')
+    after = data[at + 7 : at + 10]
+    if not (after.startswith(b":{") or after == b": {"):
+        return (0, 0)
+    stop = data.find(b"\n\n", at)
+    if stop < 0:
+        return None
+    before = data.rfind(b"\n\n", 0, at)
+    if before < 0:
+        low = 0
+    elif before == 0 or data[before - 1] not in b"\r\n":
+        low = before
+    else:
+        return None
+    if data.find(b"\r", low, stop + 2) >= 0:
+        return None
+    return (before + 2 if before >= 0 else 0, stop + 2)
 
 
 def _last_boundary(data: bytes) -> int:

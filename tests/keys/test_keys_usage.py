@@ -408,3 +408,38 @@ def test_usage_read_from_the_end_is_the_top_level_one_or_none() -> None:
         assert usage_of_body(json.dumps(big_reply("hi", bad)).encode()) is None
     # Just the end of a reply is enough (what is kept of a big one).
     assert trailing_usage(plain[plain.index(b'"usage"') - 5 :]) == (9, 4, 2)
+
+
+# Whole replies in one chunk (a short reply arrives at once): the usage event is found from
+# its key; streams shaped unlike OpenAI's must give what they give split byte by byte.
+_USAGE_ONLY = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}'
+_DELTA = b'data: {"choices":[{"delta":{"content":"hi"}}]}'
+WHOLE_STREAMS = [
+    _DELTA + b"\n\n" + _USAGE_ONLY + b"\n\ndata: [DONE]\n\n",
+    _USAGE_ONLY + b"\n\ndata: [DONE]\n\n",
+    _DELTA + b"\n\n\n" + _USAGE_ONLY + b"\n\n\ndata: [DONE]\n\n",
+    _DELTA + b"\r\n\r\n" + _USAGE_ONLY + b"\r\n\r\ndata: [DONE]\n\n",
+    _DELTA + b"\n\n" + _USAGE_ONLY + b"\r\rdata: [DONE]\n\n",
+    _DELTA[:-1]
+    + b',"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
+    + _USAGE_ONLY
+    + b"\n\ndata: [DONE]\n\n",
+    b'data: {"choices":[{"delta":{"content":"\\"usage\\": {"}}]}\n\ndata: [DONE]\n\n',
+    _DELTA + b"\n\n" + _USAGE_ONLY + b"\n\n",
+    _DELTA + b"\n\n" + _USAGE_ONLY,
+]
+
+
+@pytest.mark.parametrize("stream", WHOLE_STREAMS)
+async def test_tap_on_a_reply_in_one_chunk_matches_byte_by_byte(stream: bytes) -> None:
+    for hide in (True, False):
+        whole, split = StreamTap(hide_usage_event=hide), StreamTap(hide_usage_event=hide)
+        out = b"".join(await relay_in(whole, stream, []))
+        assert out == b"".join(await relay_in(split, stream, list(range(1, len(stream)))))
+        assert whole.usage == split.usage
+        if not hide:
+            assert out == stream
+    hidden = StreamTap(hide_usage_event=True)
+    out = b"".join(await relay_in(hidden, WHOLE_STREAMS[0], []))
+    assert out == _DELTA + b"\n\ndata: [DONE]\n\n"
+    assert hidden.usage is not None and hidden.usage.prompt_tokens == 7
