@@ -41,38 +41,13 @@ _WS = rb"[ \t\n\r]*"
 _FIELD = re.compile(rb'"messages"' + _WS + rb":" + _WS + rb"(\[)" + _WS)
 # The end of one element: `}` then `,` before the next `{"`, or `}` then `]` before the
 # top level goes on (`,"key"`) or ends (`}`). Lookaheads: the match ends at `,` or `]`.
-_END = re.compile(
-    rb"\}"
-    + _WS
-    + rb"(?:,(?="
-    + _WS
-    + rb"\{"
-    + _WS
-    + rb'")|(\])(?='
-    + _WS
-    + rb"(?:,"
-    + _WS
-    + rb'"|\}'
-    + _WS
-    + rb"\Z)))"
-)
+_ARRAY_END = rb"(\])(?=" + _WS + rb"(?:," + _WS + rb'"|\}' + _WS + rb"\Z))"
+_END = re.compile(rb"\}" + _WS + rb"(?:,(?=" + _WS + rb"\{" + _WS + rb'")|' + _ARRAY_END + rb")")
 _OPEN = re.compile(_WS + rb"\{")
 # The fast path's candidates, in one scan: between two elements (`}` `,` up to the next
 # element's `{`, which is followed by a key), or the array's end (group 1, as in `_END`).
 _CANDIDATE = re.compile(
-    rb"\}"
-    + _WS
-    + rb"(?:,"
-    + _WS
-    + rb"(?=\{"
-    + _WS
-    + rb'")|(\])(?='
-    + _WS
-    + rb"(?:,"
-    + _WS
-    + rb'"|\}'
-    + _WS
-    + rb"\Z)))"
+    rb"\}" + _WS + rb"(?:," + _WS + rb"(?=\{" + _WS + rb'")|' + _ARRAY_END + rb")"
 )
 _TRUNCATED = "unexpected end of data"  # orjson's words for a span cut short
 # The array's stand-in when the rest of the body is parsed: no client can guess it.
