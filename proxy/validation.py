@@ -104,12 +104,6 @@ def _type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-async def parse_chat_request(raw: bytes, max_messages: int) -> dict[str, Any]:
-    """parse_chat_body, in a worker thread when `raw` is big."""
-    body, _ = await parse_chat(raw, max_messages)
-    return body
-
-
 async def parse_chat(raw: bytes, max_messages: int) -> tuple[dict[str, Any], Spans | None]:
     """parse_chat_spans (parse_chat_body for small bodies), in a worker thread when `raw`
     is big."""
