@@ -95,14 +95,3 @@ class DisconnectWatch:
             watcher.remove_done_callback(self._seen)
             watcher.cancel()
 
-
-async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
-    """Run `work()`; if the client disconnects first, cancel it and raise ClientDisconnected.
-
-    One-off form of `DisconnectWatch.run` (see there); the watcher ends with the call.
-    """
-    watch = DisconnectWatch(receive)
-    try:
-        return await watch.run(work)
-    finally:
-        watch.close()

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from starlette.types import Message
 
-from proxy.disconnect import DisconnectWatch, cancel_on_disconnect
+from proxy.disconnect import DisconnectWatch
 from proxy.errors import ClientDisconnected
 from tests.conftest import until
 
@@ -30,7 +30,11 @@ class Client:
 async def test_work_that_finishes_returns_its_result_and_leaves_no_task() -> None:
     client = Client()
     before = set(asyncio.all_tasks())
-    assert await cancel_on_disconnect(client.receive, lambda: asyncio.sleep(0, "reply")) == "reply"
+    watch = DisconnectWatch(client.receive)
+    try:
+        assert await watch.run(lambda: asyncio.sleep(0, "reply")) == "reply"
+    finally:
+        watch.close()
     await until(lambda: all(t.done() for t in asyncio.all_tasks() - before))
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
@@ -52,10 +56,13 @@ async def test_a_client_leaving_cancels_the_work_and_raises_client_disconnected(
         client.left.set()
 
     leaving = asyncio.create_task(leave())
+    watch = DisconnectWatch(client.receive)
     with pytest.raises(ClientDisconnected):
-        await cancel_on_disconnect(client.receive, wait_for_upstream)
+        await watch.run(wait_for_upstream)
     await leaving
     assert aborted.is_set()
+    assert watch.gone
+    watch.close()
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 
@@ -86,12 +93,15 @@ async def test_a_cancellation_from_outside_stays_a_cancellation() -> None:
         started.set()
         await asyncio.Event().wait()
 
-    task = asyncio.create_task(cancel_on_disconnect(client.receive, work))
+    watch = DisconnectWatch(client.receive)
+    task = asyncio.create_task(watch.run(work))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    watch.close()
     client.left.set()  # after the fact: nothing left to cancel
+    assert not watch.gone
 
 
 async def test_closing_the_watcher_before_the_client_leaves_cancels_nothing() -> None:
@@ -104,3 +114,28 @@ async def test_closing_the_watcher_before_the_client_leaves_cancels_nothing() ->
     client.left.set()
     assert not watch.gone
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_work_that_absorbs_the_cancel_keeps_its_result_and_no_pending_cancel() -> None:
+    client = Client()
+    watch = DisconnectWatch(client.receive)
+
+    async def work() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "partial"  # e.g. a relay that ends its stream cleanly instead
+        return "never"
+
+    async def leave() -> None:
+        await until(lambda: client.receives == 1)
+        client.left.set()
+
+    leaving = asyncio.create_task(leave())
+    assert await watch.run(work) == "partial"
+    await leaving
+    assert watch.gone
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    with pytest.raises(ClientDisconnected):  # the next step sees the client is gone
+        await watch.run(lambda: asyncio.sleep(0))
+    watch.close()
