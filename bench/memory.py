@@ -41,7 +41,6 @@ from typing import Any
 
 from bench import harness
 
-TIKTOKEN_CACHE = harness.ROOT.parent / "shared" / "tiktoken-cache"
 HEAVY_IMPORTS = [
     "ssl", "httpx", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
     "pydantic_settings", "aiohttp", "tiktoken", "prometheus_client", "cachetools",
@@ -244,8 +243,6 @@ def _first_cmd(target: str, port: int) -> list[str]:
 
 def first_request(args: argparse.Namespace) -> dict[str, Any]:
     env = {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
-        env["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
     kinds = [(target, stream) for target in args.targets for stream in (False, True)]
     runs: dict[tuple[str, bool], list[list[tuple[float, float]]]] = {k: [] for k in kinds}
     rest: dict[str, list[float]] = {target: [] for target in args.targets}
@@ -300,8 +297,7 @@ def main() -> None:
         "--tokenizer", type=json.loads, default={}, help="tokenizer settings as JSON"
     )
     args = parser.parse_args()
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
+    harness.warn_without_tokenizer()
     if args.part == "all":  # fresh interpreters, so imports are measured from nothing
         for part, flags in (("breakdown", []), ("snapshot", ["-X", "tracemalloc=1"])):
             cmd = [sys.executable, *flags, "-m", "bench.memory", part, "--top", str(args.top),

@@ -38,8 +38,6 @@ from pathlib import Path
 
 from bench import harness, litellm_peer
 
-TIKTOKEN_CACHE = harness.ROOT.parent / "shared" / "tiktoken-cache"
-
 # The load generator sends `Authorization: Bearer sk-bench`.
 _BENCH_KEY = {
     "id": "bench",
@@ -94,9 +92,8 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
         venv = args.litellm_venv or litellm_peer.default_venv(args.litellm_version)
         litellm_venv = litellm_peer.ensure_venv(venv, args.litellm_version)
 
+    harness.warn_without_tokenizer()
     env: dict[str, str] = {}
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and TIKTOKEN_CACHE.is_dir():
-        env["TIKTOKEN_CACHE_DIR"] = str(TIKTOKEN_CACHE)
     apps = {"relay": "bench.relay:create_app", "proxy": "proxy.app:create_app"}
     results: dict[Cell, list[harness.Result]] = {}
     incidents: list[str] = []  # servers that died, cells the load generator failed

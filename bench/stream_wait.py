@@ -1,7 +1,7 @@
 """What a streaming client sees while the proxy makes a summary, and what the openai SDK
 does with what an early-started stream would have to send instead.
 
-    TIKTOKEN_CACHE_DIR=... python -m bench.stream_wait
+    python -m bench.stream_wait
 
 1. Silence: a streaming chat request that needs a summary, through the proxy (uvicorn on
    127.0.0.1), with the summarizer taking D seconds: time to the response headers and to

@@ -1,6 +1,6 @@
 """Benchmark: what counting a 128k-token agent history costs, cold and warm.
 
-    TIKTOKEN_CACHE_DIR=... python bench/tokens.py [--tokens 128000] [--runs 7]
+    python bench/tokens.py [--tokens 128000] [--runs 7]
 
 (a) raw tiktoken: encode every string the formula counts, nothing else;
 (b) TokenCounter.count_request on a cold memo (goal: within 1.3x of a);
