@@ -5,8 +5,10 @@
 #
 #   deploy/check.sh            exit 0: passed (or skipped, saying why); 1: failed
 #
-# Needs podman and podman-compose (`apt-get install podman iptables`, `pip install
-# podman-compose`); containers get their limits and runtime from your containers.conf.
+# Needs podman with DNS on its networks and podman-compose (`apt-get install podman iptables
+# golang-github-containernetworking-plugin-dnsname`, `pip install podman-compose`). The
+# containers' open-files and process limits are compose.yaml's, lowered to this host's hard
+# limits (`ulimit -Hn`, `ulimit -Hu`) when those are lower; the runtime is your containers.conf's.
 # Without an image registry, a local stand-in for python:3.11-slim is made with debootstrap
 # when the image is missing (Debian bookworm + python3; a few minutes, once).
 set -euo pipefail
@@ -27,6 +29,18 @@ else
 fi
 compose+=(-p "$project" -f "$here/compose.yaml")
 
+# The containers find each other by service name (nginx: proxy-1, proxy-2; the proxies:
+# redis), which needs DNS on podman's network: netavark with aardvark-dns, or CNI with the
+# dnsname plugin (a podman installed without recommends has neither).
+if [ "$(podman info --format '{{.Host.NetworkBackend}}' 2>/dev/null)" = cni ]; then
+  dnsname=no
+  for dir in /usr/local/libexec/cni /usr/libexec/cni /usr/local/lib/cni /usr/lib/cni /opt/cni/bin; do
+    [ -x "$dir/dnsname" ] && dnsname=yes
+  done
+  [ "$dnsname" = yes ] || skip "podman's CNI networks have no DNS here" \
+    "(apt-get install golang-github-containernetworking-plugin-dnsname)"
+fi
+
 base=docker.io/library/python:3.11-slim
 if ! podman image exists "$base" && ! podman pull -q "$base" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || skip "no $base image, no registry and no debootstrap"
@@ -44,9 +58,15 @@ if ! podman image exists "$base" && ! podman pull -q "$base" >/dev/null 2>&1; th
   rm -rf "$rootfs"
 fi
 
+# Container limits within this host's hard limits (compose.yaml's defaults may be above them).
+at_most() { if [ "$1" = unlimited ] || [ "$1" -gt "$2" ]; then echo "$2"; else echo "$1"; fi; }
+export CONTAINER_NOFILE=${CONTAINER_NOFILE:-$(at_most "$(ulimit -Hn)" 65536)}
+export CONTAINER_NPROC=${CONTAINER_NPROC:-$(at_most "$(ulimit -Hu)" 4096)}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])'; }
 upstream_port=$(free_port)
-export PROXY_PORT=$(free_port)
+PROXY_PORT=$(free_port)
+export PROXY_PORT
 export UPSTREAM_BASE_URL="http://host.containers.internal:$upstream_port/v1"
 export PROXY_KEY_TEAM_A="pk-check-$RANDOM$RANDOM"
 export PROXY_KEY_TEAM_B="pk-check-$RANDOM$RANDOM"
@@ -94,9 +114,18 @@ echo "building and starting deploy/compose.yaml ..."
 "${compose[@]}" up -d >"$work/up.log" 2>&1 || fail "up (see $work/up.log)"
 
 lb="http://127.0.0.1:$PROXY_PORT"
+# Each replica ready, not only the balancer: nginx passes a request for a replica that is
+# still starting to the other one, and the round-robin check below would then fail.
+replica_ready() {  # $1: service; its /readyz from inside its container (replicas publish no port)
+  podman exec "${project}_$1_1" python -c 'import urllib.request
+urllib.request.urlopen("http://127.0.0.1:8080/readyz", timeout=2)' >/dev/null 2>&1
+}
 for _ in $(seq 1 180); do
-  curl -fsS "$lb/readyz" >/dev/null 2>&1 && break
+  replica_ready proxy-1 && replica_ready proxy-2 && curl -fsS "$lb/readyz" >/dev/null 2>&1 && break
   sleep 1
+done
+for replica in proxy-1 proxy-2; do
+  replica_ready "$replica" || fail "$replica: /readyz did not answer 200 within 180 s"
 done
 curl -fsS "$lb/readyz" >/dev/null || fail "$lb/readyz did not answer 200 within 180 s"
 
@@ -121,8 +150,11 @@ calls=$(curl -fsS "http://127.0.0.1:$upstream_port/calls")
 echo "first: $first; second: $second; upstream: $calls"
 
 # Round robin: the two requests must have been answered by different replicas.
-one=$(podman logs "${project}_proxy-1_1" 2>&1 | grep -o '"request_id": "check-[a-z]*"' | sort -u)
-two=$(podman logs "${project}_proxy-2_1" 2>&1 | grep -o '"request_id": "check-[a-z]*"' | sort -u)
+served() {  # $1: service; the check's request ids in its log (none is an answer too)
+  podman logs "${project}_$1_1" 2>&1 | grep -o '"request_id": "check-[a-z]*"' | sort -u || true
+}
+one=$(served proxy-1)
+two=$(served proxy-2)
 echo "proxy-1 served: ${one:-nothing}; proxy-2 served: ${two:-nothing}"
 [ "$first" = "compacted miss" ] || fail "first request: expected 'compacted miss', got '$first'"
 [ "$second" = "reused hit" ] || fail "second request: expected 'reused hit', got '$second'"

@@ -6,6 +6,8 @@ FROM python:3.11-slim
 RUN apt-get update \
     && apt-get install -y --no-install-recommends redis-server \
     && rm -rf /var/lib/apt/lists/*
+# The system user the package creates; its uid is picked at install time, so no number here.
+# hadolint ignore=DL3066
 USER redis
 EXPOSE 6379
 CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", "--appendonly", "no"]
