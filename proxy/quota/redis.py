@@ -2,7 +2,9 @@
 
 Every key of one proxy key id carries the hash tag `{<id>}`, so on a Redis Cluster they
 share a slot and the charge script (one EVALSHA: read every counter, decide, increment)
-runs atomically on one node. `record` is one non-transactional pipeline off the hot path.
+runs atomically on one node. `record` (off the hot path: the meter's batch) is one script
+beside the key's counters plus one SADD to the key index, in one non-transactional pipeline
+(on a cluster, which pipelines no scripts: one after the other).
 
 A charge is idempotent: each carries a random id, and the script keeps its result under
 `<prefix>{<id>}:charge:<charge id>` (same slot) for `_CHARGE_TTL_S`. Resent with the same id
@@ -11,6 +13,12 @@ script may already have run), it returns the stored result instead of counting t
 twice, and a stale connection costs no fail-open window. Memory: one short string key
 (~150 bytes with its expiry; MEMORY USAGE says 136) per charge for 60 s, so charges/s x 60
 live keys: 1,000 charges/s hold ~60,000 keys, ~9 MB.
+
+A usage write is idempotent the same way: each `record` carries a random id, and the script
+adds the counts only if `<prefix>{<id>}:recorded:<record id>` was not set yet (SET NX, same
+slot, `_RECORD_TTL_S`). So the ledger resends a write once after a dropped connection (a
+reply lost after the script ran), and it is counted once, not lost, and not an outage. The
+meter writes one per key, model and day each flush, so these keys number a few per second.
 
 While Redis is failing, calls raise LedgerUnavailable at once for `retry_after_s` instead of
 waiting on a timeout per request.
@@ -74,11 +82,30 @@ redis.call('SET', KEYS[6], string.format('%s %d %d %d %d %d', denied, r, tm, td,
 return {denied, r, tm, td, sd, sm}
 """
 
+# KEYS: usage hash, spend day, spend month, the record id's key. ARGV: usage TTL, day TTL,
+# month TTL, id TTL, cost in nano-dollars, then field, increment pairs.
+_RECORD_LUA = """
+if not redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[4]) then
+  return 0
+end
+for i = 6, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+local cost = tonumber(ARGV[5])
+if cost ~= 0 then
+  redis.call('INCRBY', KEYS[2], cost); redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('INCRBY', KEYS[3], cost); redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
+return 1
+"""
+
 _OUTAGE = (RedisError, OSError, TimeoutError)
 _MINUTE_TTL_S = 120
 _DAY_TTL_S = 2 * 86400
 _MONTH_TTL_S = 32 * 86400
 _CHARGE_TTL_S = 60  # a charge's stored result: longer than any timeout plus one resend
+_RECORD_TTL_S = 60  # a usage write's id, likewise
 _SEP = "\n"  # between model and field in a usage hash (model names never hold one)
 
 
@@ -104,9 +131,9 @@ class RedisLedger:
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # Usage increments are not idempotent: one whose reply was lost may have run, so the
-        # client never sends a command again. Charges are (their charge id): the ledger
-        # resends those itself, once, after a dropped connection (`_resent`).
+        # The client never sends a command again: one whose reply was lost may have run.
+        # Charges and usage writes are idempotent (their ids): the ledger resends those
+        # itself, once, after a dropped connection (`_resent`).
         client.set_retry(Retry(NoBackoff(), 0))
         self.client = client
         self.prefix = key_prefix
@@ -117,6 +144,7 @@ class RedisLedger:
         self._retry_at = float("-inf")
         self._clock = clock
         self._charge = client.register_script(_CHARGE_LUA)
+        self._record = client.register_script(_RECORD_LUA)
         # A single node: charges go on one dedicated pipelined connection (see resp.py), or
         # over TLS as redis-py pipelines; a cluster client sends each on its own.
         self.line = (
@@ -266,25 +294,54 @@ class RedisLedger:
                 raise result if isinstance(result, RedisError) else RedisError(str(result))
         return cast(list[list[Any]], results)
 
-    async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None:
+    async def record(
+        self,
+        key_id: str,
+        model: str,
+        counts: dict[str, int],
+        now: float,
+        *,
+        record_id: str | None = None,
+    ) -> None:
+        """Add one batch's counts to the key's usage and spend. `record_id`: the same for
+        every resend of one batch (made here if None); an id already seen adds nothing."""
         w = windows_at(now)
-        usage_key = self.key(key_id, "usage", w.day)
+        keys = [
+            self.key(key_id, "usage", w.day),
+            self.key(key_id, "spend", w.day),
+            self.key(key_id, "spend", w.month),
+            self.key(key_id, "recorded", record_id or os.urandom(16).hex()),
+        ]
+        args: list[str | int] = [
+            self.retention_days * 86400,
+            _DAY_TTL_S,
+            _MONTH_TTL_S,
+            _RECORD_TTL_S,
+            counts.get("cost_nano_usd", 0),
+        ]
+        for name, value in counts.items():
+            if value:
+                args += [f"{model}{_SEP}{name}", value]
 
         async def call() -> object:
-            pipe = self.client.pipeline(transaction=False)
-            for name, value in counts.items():
-                if value:
-                    pipe.hincrby(usage_key, f"{model}{_SEP}{name}", value)
-            pipe.expire(usage_key, self.retention_days * 86400)
-            cost = counts.get("cost_nano_usd", 0)
-            if cost:
-                for window, ttl in ((w.day, _DAY_TTL_S), (w.month, _MONTH_TTL_S)):
-                    pipe.incrby(self.key(key_id, "spend", window), cost)
-                    pipe.expire(self.key(key_id, "spend", window), ttl)
-            pipe.sadd(self.index_key, key_id)
-            return await pipe.execute()
+            if not self._batching:  # a cluster pipelines no scripts: the index on its own
+                await self._record(keys=keys, args=args)
+                return await self.client.sadd(self.index_key, key_id)
+            for attempt in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.evalsha(self._record.sha, len(keys), *keys, *args)
+                pipe.sadd(self.index_key, key_id)
+                results = await pipe.execute(raise_on_error=False)
+                if not isinstance(results[0], NoScriptError):
+                    break
+                if attempt == 0:  # first use, or Redis restarted: load the script, resend
+                    await self.client.script_load(self._record.script)
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result if isinstance(result, RedisError) else RedisError(str(result))
+            return results
 
-        await self._guarded(call)
+        await self._guarded(lambda: _resent(call))
 
     async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
         days = days_between(since, until, self.retention_days)
