@@ -35,6 +35,7 @@ from proxy.state import ProxyState
 from proxy.store import create_store
 from proxy.tokens import TokenCounter
 from proxy.transport import ServedTransport, create_upstream_client, upstream_limits
+from proxy.turnmemo import TurnMemo
 from proxy.upstream import Upstream
 from proxy.usage import Meter, Pricing
 from proxy.warmup import start_probe, warm_up
@@ -81,6 +82,7 @@ def create_app(
         gate=Gate(settings, KeySource(settings.auth)),
         quotas=Quotas(ledger, on_error=settings.quota.on_redis_error),
         meter=Meter(settings, ledger, Pricing(settings.pricing)),
+        turns=TurnMemo(settings.cache.turn_memo_bytes),
     )
     metrics.registry.register(QuotaCollector(state.quotas, state.meter))
 

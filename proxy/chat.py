@@ -19,6 +19,7 @@ from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
 from proxy.jsonspans import Parsed, Spans
 from proxy.report import Outcome
+from proxy.settings import Settings
 from proxy.validation import discard_messages, parse_chat, read_body
 
 
@@ -32,6 +33,7 @@ async def chat_completions(request: Request) -> Response:
         caller: Caller,
         control: Control,
         parsed: Parsed,
+        scope: str | None,
     ) -> tuple[httpx.Response, dict[str, str]]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
         outcome = exchange.compacted(
@@ -41,7 +43,7 @@ async def chat_completions(request: Request) -> Response:
                 client_headers=caller.summarizer_headers(
                     exchange.client_headers, exchange.request_id
                 ),
-                scope=state.gate.scope(caller, exchange.client_headers),
+                scope=scope,
                 parsed=parsed,
             )
         )
@@ -59,7 +61,10 @@ async def chat_completions(request: Request) -> Response:
     try:
         caller = exchange.admit()
         raw = await read_body(request, state.settings.server.max_body_bytes)
-        body, spans = await parse_chat(raw, state.settings.server.max_messages)
+        scope = state.gate.scope(caller, exchange.client_headers)
+        # Kept for the next turn only when the compaction step will use what it derives.
+        memo = state.turns if compacts(request, caller, state.settings) else None
+        body, spans = await parse_chat(raw, state.settings.server.max_messages, memo, scope)
         parsed = Parsed(raw, spans)
         exchange.describe(body)
         control = parse_control(request)
@@ -71,9 +76,10 @@ async def chat_completions(request: Request) -> Response:
             if asked is not None:
                 (body, content), hide_usage = asked, True
         response, quota = await exchange.guard(
-            lambda: compact_and_forward(body, content, caller, control, parsed)
+            lambda: compact_and_forward(body, content, caller, control, parsed, scope)
         )
-        await discard_messages(body)  # sent: only `model` is read from here on
+        if memo is None:  # (a kept body's messages are the memo's, and freed with it)
+            await discard_messages(body)  # sent: only `model` is read from here on
     except ProxyError as exc:
         return exchange.error(exc, exchange.compaction_headers())
     except ClientDisconnected:
@@ -85,6 +91,17 @@ async def chat_completions(request: Request) -> Response:
     outcome = exchange.outcome or Outcome()
     tap = state.meter.tap(caller.key.id, model_of(body), outcome, hide_usage=hide_usage)
     return await exchange.relay(response, headers, tap)
+
+
+def compacts(request: Request, caller: Caller, settings: Settings) -> bool:
+    """Whether the compaction step will run (count, maybe cut): not with `x-compaction: off`
+    (or a key's mode "off" when the request does not say), nor with compaction disabled."""
+    if not settings.compaction.enabled:
+        return False
+    mode = request.headers.get("x-compaction")
+    if mode is None:
+        return caller.key is None or caller.key.mode != "off"
+    return mode.strip().lower() != "off"
 
 
 def key_control(request: Request, control: Control, key: ProxyKey) -> Control:

@@ -73,6 +73,9 @@ class Spans:
     messages: list[Any]
     _keys: list[int] | None = field(default=None, repr=False)
     _index: dict[int, int] | None = field(default=None, repr=False)
+    # Found by the one-call fast path (`_whole_array`): a later body that extends this one
+    # can be parsed from it (`extend_chat`) with the same answer.
+    whole: bool = field(default=False, repr=False)
 
     def view(self, index: int) -> memoryview:
         return memoryview(self.raw)[self.starts[index] : self.ends[index]]
@@ -288,7 +291,83 @@ def _whole_array(
     if type(body) is not dict or body.get("messages") != _SENTINEL:
         return ()
     body["messages"] = messages
-    return body, Spans(raw, open_, close, starts, ends, messages)
+    return body, Spans(raw, open_, close, starts, ends, messages, whole=True)
+
+
+def field_of(raw: bytes) -> re.Match[bytes] | None:
+    """Where the parsers take `messages` to be: the match of its key, colon and `[`."""
+    return _FIELD.search(raw)
+
+
+def extend_chat(
+    raw: bytes, found: re.Match[bytes], base: Spans, max_items: int = 0, min_average: int = 0
+) -> tuple[dict[str, Any], Spans] | None:
+    """What `loads_chat_fast` answers for `raw`, parsing only what follows the messages of
+    `base` (a body the fast path parsed, whose array up to the end of its last message `raw`
+    holds at `found`, as `proxy.turnmemo` checked); None: the answer may differ, parse cold.
+
+    Exact: the candidates `_whole_array` finds before the last of `base`'s messages are the
+    same bytes, so the same ones (a candidate's match and lookaheads stop at the `}` that
+    ends that message: it is none of the bytes they consume), `len(base.messages) - 1` of
+    them, none an array end. The scan goes on from that `}`; every check of the fast path
+    is made on the whole (counts, sizes, the rest of the body), and whatever would make it
+    answer something else (a tiny-messages `()`, the element path's None, an error) answers
+    None here, so the cold path decides."""
+    open_, element = found.start(1), found.end()
+    shift = open_ - base.open
+    count = len(base.messages)
+    last = base.ends[-1] + shift - 1  # the `}` of base's last message
+    if element != base.starts[0] + shift:
+        return None
+    if min_average:
+        window = element + min_average * _CHECK_EVERY
+        if last + 1 < window < len(raw):  # the fast path's first check reads past base's bytes
+            for seen, _ in enumerate(_CANDIDATE.finditer(raw, element, window), 1):
+                if seen >= _CHECK_EVERY:
+                    return None
+    tail = [(m.start(), m.end(), m.lastindex) for m in _CANDIDATE.finditer(raw, last)]
+    if not tail or tail[0][0] != last:
+        return None
+    at = next((i for i, (_, _, group) in enumerate(tail) if group is not None), -1)
+    if at < 0:
+        return None
+    close = tail[at][1]
+    view = memoryview(raw)
+    new: Any = []
+    if at:
+        try:
+            new = orjson.loads(b"".join((b"[", view[tail[0][1] : close])))
+        except orjson.JSONDecodeError:
+            return None
+        if type(new) is not list or len(new) != at or not all(type(m) is dict and m for m in new):
+            return None
+    total = count + at
+    if max_items and total > max_items:
+        return None
+    if min_average and total >= _CHECK_EVERY and close - open_ < min_average * total:
+        return None
+    try:
+        body = json.loads(b"".join((view[:open_], _SENTINEL_JSON, view[close:])))
+    except (ValueError, RecursionError):
+        return None
+    if type(body) is not dict or body.get("messages") != _SENTINEL:
+        return None
+    messages = base.messages + new
+    body["messages"] = messages
+    starts = base.starts if not shift else [s + shift for s in base.starts]
+    ends = base.ends if not shift else [e + shift for e in base.ends]
+    starts = starts + [b for _, b, _ in tail[:at]]
+    ends = ends + [a + 1 for a, _, _ in tail[1 : at + 1]]
+    keys = base._keys
+    if keys is not None:
+        salt = _RAW_SALT
+        added = zip(starts[count:], ends[count:], strict=True)
+        keys = keys + [hash(raw[a:b]) ^ salt for a, b in added]
+    index = base._index
+    if index is not None:
+        index = dict(index)
+        index.update(zip(map(id, new), range(count, total), strict=True))
+    return body, Spans(raw, open_, close, starts, ends, messages, keys, index, whole=True)
 
 
 async def spans_of(raw: bytes) -> Spans | None:

@@ -206,6 +206,9 @@ class CacheSettings(Section):
     ttl_s: int = Field(7 * 24 * 3600, gt=0)
     max_bytes: int = Field(64 * 1024 * 1024, gt=0)
     lock_ttl_s: float = Field(180.0, gt=0)
+    # Recent chat bodies' parsed state (proxy/turnmemo.py), per scope, so a turn that resends
+    # a history parses only its new messages; bytes held at most (0: off).
+    turn_memo_bytes: int = Field(32 * 1024 * 1024, ge=0)
 
 
 ENV_PREFIX = "COMPACTION_PROXY_"

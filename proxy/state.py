@@ -8,6 +8,7 @@ from proxy.auth import Gate
 from proxy.compactor import Compactor, PromptCounter
 from proxy.quota import Quotas
 from proxy.settings import Settings
+from proxy.turnmemo import TurnMemo
 from proxy.upstream import Upstream
 from proxy.usage import Meter
 
@@ -21,3 +22,4 @@ class ProxyState:
     gate: Gate  # who may call (proxy keys)
     quotas: Quotas
     meter: Meter  # usage accounting
+    turns: TurnMemo  # recent chat bodies' parsed state, per tenant

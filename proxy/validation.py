@@ -25,6 +25,7 @@ from proxy import jsonparse, jsonspans
 from proxy.connections import read_timed_out
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.jsonspans import Spans
+from proxy.turnmemo import TurnMemo
 
 # Below this, json.loads on the loop takes under ~2 ms; above, a stdlib parse leaves the loop.
 OFFLOAD_BYTES = 256 * 1024
@@ -104,11 +105,47 @@ def _type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-async def parse_chat(raw: bytes, max_messages: int) -> tuple[dict[str, Any], Spans | None]:
+async def parse_chat(
+    raw: bytes, max_messages: int, memo: TurnMemo | None = None, scope: str | None = None
+) -> tuple[dict[str, Any], Spans | None]:
     """parse_chat_spans (parse_chat_body for small bodies), in a worker thread when `raw`
-    is big."""
+    is big. With `memo` and `scope`: a body that extends one the scope sent recently is
+    parsed from it (proxy.turnmemo; the same answer), and the body is kept for the next."""
     if len(raw) < SPANS_MIN_BYTES:
         return parse_chat_body(raw, max_messages), None
+    if memo is None or scope is None:
+        return await _parse_spans(raw, max_messages)
+    remembered = await _remembered(raw, max_messages, memo, scope)
+    if remembered is not None:
+        return remembered
+    body, spans = await _parse_spans(raw, max_messages)
+    if spans is not None:
+        memo.keep(scope, spans)
+    return body, spans
+
+
+async def _remembered(
+    raw: bytes, max_messages: int, memo: TurnMemo, scope: str
+) -> tuple[dict[str, Any], Spans] | None:
+    """The body parsed from a kept one it extends; None: parse it cold (which also words
+    any error: only the new messages are checked here, the kept ones passed before)."""
+    if len(raw) > jsonspans.WHOLE_ARRAY_BYTES:
+        return None
+    if len(raw) <= INLINE_BYTES:
+        hit = memo.parse(scope, raw, max_messages, SPANS_MIN_AVERAGE)
+    else:
+        job = partial(memo.parse, scope, raw, max_messages, SPANS_MIN_AVERAGE)
+        hit = await anyio.to_thread.run_sync(job)
+    if hit is None:
+        return None
+    body, spans, base = hit
+    if not _all_have_roles(spans.messages[len(base.messages) :]):
+        return None
+    memo.keep(scope, spans, base)
+    return body, spans
+
+
+async def _parse_spans(raw: bytes, max_messages: int) -> tuple[dict[str, Any], Spans | None]:
     if len(raw) <= INLINE_BYTES:
         try:
             fast = jsonspans.loads_chat_fast(raw, max_messages, SPANS_MIN_AVERAGE)
