@@ -17,6 +17,7 @@ from proxy.auth import Caller, ProxyKey, check_model
 from proxy.compactor import Control, model_of
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
+from proxy.headers import RawHeaders
 from proxy.jsonspans import Parsed, Spans
 from proxy.report import Outcome
 from proxy.settings import Settings
@@ -34,7 +35,7 @@ async def chat_completions(request: Request) -> Response:
         control: Control,
         parsed: Parsed,
         scope: str | None,
-    ) -> tuple[httpx.Response, dict[str, str]]:
+    ) -> tuple[httpx.Response, RawHeaders]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
         outcome = exchange.compacted(
             await state.compactor.run(
@@ -69,8 +70,9 @@ async def chat_completions(request: Request) -> Response:
         exchange.describe(body)
         control = parse_control(request)
         content, hide_usage = raw, False
+        model = model_of(body)
         if caller.key is not None:
-            check_model(caller.key, model_of(body))
+            check_model(caller.key, model)
             control = key_control(request, control, caller.key)
             asked = state.meter.with_stream_usage(body, raw)
             if asked is not None:
@@ -87,10 +89,9 @@ async def chat_completions(request: Request) -> Response:
     headers = exchange.compaction_headers()
     if caller.key is None:
         return await exchange.relay(response, headers)
-    headers.update(quota)
     outcome = exchange.outcome or Outcome()
-    tap = state.meter.tap(caller.key.id, model_of(body), outcome, hide_usage=hide_usage)
-    return await exchange.relay(response, headers, tap)
+    tap = state.meter.tap(caller.key.id, model, outcome, hide_usage=hide_usage)
+    return await exchange.relay(response, headers, tap, raw_headers=quota)
 
 
 def compacts(request: Request, caller: Caller, settings: Settings) -> bool:
@@ -106,7 +107,11 @@ def compacts(request: Request, caller: Caller, settings: Settings) -> bool:
 
 def key_control(request: Request, control: Control, key: ProxyKey) -> Control:
     """A key's compaction defaults; the request's own control headers still win."""
-    mode = control.mode if "x-compaction" in request.headers else (key.mode or control.mode)
+    if key.mode is None and key.budget_tokens is None and key.strategy is None:
+        return control  # nothing of the key's own
+    mode = control.mode
+    if key.mode is not None and "x-compaction" not in request.headers:
+        mode = key.mode
     budget = control.budget if control.budget is not None else key.budget_tokens
     return Control(mode=mode, budget=budget, strategy=key.strategy)
 

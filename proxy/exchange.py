@@ -249,14 +249,17 @@ class Exchange:
         tap: ReplyTap | None = None,
         *,
         watch: bool = True,
+        raw_headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> Response:
         """`watch`: a disconnect while the reply is read whole (small replies) or streamed
-        aborts the upstream (only once the request body has been read, as for `guard`)."""
+        aborts the upstream (only once the request body has been read, as for `guard`).
+        `raw_headers`: more of ours, lower-case names and values as wire bytes."""
         watcher = self._watching() if watch else None
         try:
             return await self.state.upstream.relay(
-                response, self.request_id, extra_headers, tap, watch=watcher
-            )
+                response, self.request_id, extra_headers, tap, watch=watcher,
+                raw_headers=raw_headers,
+            )  # fmt: skip
         except BaseException:
             self._unwatch()
             raise

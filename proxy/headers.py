@@ -11,7 +11,7 @@ byte for byte in both directions (`as_text` / `as_bytes`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from starlette.types import Scope
 
@@ -151,12 +151,17 @@ _RESPONSE_DROP_RAW = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | _
 
 
 def client_response_raw(
-    upstream_raw: Iterable[tuple[bytes, bytes]], extra: Mapping[str, str]
+    upstream_raw: Iterable[tuple[bytes, bytes]],
+    extra: Mapping[str, str],
+    raw_extra: Sequence[tuple[bytes, bytes]] = (),
 ) -> RawHeaders:
-    """`client_response_headers` of the upstream's wire headers, then `extra` (replacing any
-    same-named ones), as wire bytes with lower-case names: the reply's headers, one pass."""
+    """`client_response_headers` of the upstream's wire headers, then `extra` and `raw_extra`
+    (lower-case names, already wire bytes; both replacing any same-named ones), as wire bytes
+    with lower-case names: the reply's headers, one pass."""
     pairs = list(upstream_raw)
     ours = [(_encode(name).lower(), _encode(value)) for name, value in extra.items()]
+    if raw_extra:
+        ours += raw_extra
     drop = _RESPONSE_DROP_RAW.union(name for name, _ in ours)
     for name, value in pairs:
         if name.lower() == b"connection":

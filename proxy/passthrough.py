@@ -69,7 +69,7 @@ async def passthrough(request: Request) -> Response:
         return exchange.error(exc)
     except ClientDisconnected:
         return exchange.disconnected()
-    return await exchange.relay(response, quota, tap, watch=watch)
+    return await exchange.relay(response, None, tap, watch=watch, raw_headers=quota)
 
 
 def model_in(content: bytes) -> str:

@@ -7,7 +7,7 @@ streaming and non-streaming responses take the same path and memory stays flat.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol
 
 import anyio
@@ -23,6 +23,7 @@ from proxy.headers import (
     Headers,
     RawHeaders,
     as_bytes,
+    as_text,
     client_response_raw,
 )
 from proxy.paths import quote_query
@@ -162,8 +163,10 @@ class Upstream:
         tap: ReplyTap | None = None,
         *,
         watch: DisconnectWatch | None = None,
+        raw_headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> Response:
-        """The upstream's reply for the client, byte for byte (headers too).
+        """The upstream's reply for the client, byte for byte (headers too), with ours
+        (`extra_headers`, and `raw_headers`: lower-case names and values as wire bytes).
 
         A small reply of known length (a typical non-streaming completion) is read whole and
         sent as one response: its bytes are already on their way, and it spares a streaming
@@ -187,13 +190,14 @@ class Upstream:
                 chunks = _relay_body(upstream, self.host)
                 if tap is not None:
                     chunks = tap.relay(upstream.status_code, upstream.headers, chunks)
-                return RelayResponse(upstream, chunks, _client_headers(upstream, extra), watch)
+                raw = _client_headers(upstream, extra, raw_headers)
+                return RelayResponse(upstream, chunks, raw, watch)
         except BaseException:
             if watch is not None:
                 watch.close()
             await _close(upstream)
             raise
-        return await self._relay_whole(upstream, extra, tap, watch)
+        return await self._relay_whole(upstream, extra, tap, watch, raw_headers)
 
     async def _relay_whole(
         self,
@@ -201,6 +205,7 @@ class Upstream:
         extra: dict[str, str],
         tap: ReplyTap | None,
         watch: DisconnectWatch | None,
+        raw_extra: Sequence[tuple[bytes, bytes]],
     ) -> Response:
         async def read() -> bytes:  # the wire bytes: no content-decoding
             if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
@@ -214,12 +219,12 @@ class Upstream:
             body = await (read() if watch is None else watch.run(read))
             if tap is not None:
                 extra.update(tap.whole(upstream.status_code, upstream.headers, body))
-            raw_headers = _client_headers(upstream, extra)
+            raw_headers = _client_headers(upstream, extra, raw_extra)
         except ClientDisconnected:
             log.info("client disconnected while the upstream %s sent its reply", self.host)
             return Response(status_code=499)
         except httpx.TimeoutException as exc:
-            return self.failure(exc).response(extra)
+            return self.failure(exc).response(_with_raw(extra, raw_extra))
         except httpx.HTTPError as exc:
             log.warning("upstream %s failed mid-response: %s", self.host, type(exc).__name__)
             return ProxyError(
@@ -227,7 +232,7 @@ class Upstream:
                 f"The upstream {self.host} broke off its reply: {type(exc).__name__}",
                 type="upstream_error",
                 code="upstream_broke_off",
-            ).response(extra)
+            ).response(_with_raw(extra, raw_extra))
         finally:
             if watch is not None:
                 watch.close()
@@ -237,9 +242,18 @@ class Upstream:
         return response
 
 
-def _client_headers(upstream: httpx.Response, extra: dict[str, str]) -> RawHeaders:
+def _client_headers(
+    upstream: httpx.Response, extra: dict[str, str], raw_extra: Sequence[tuple[bytes, bytes]] = ()
+) -> RawHeaders:
     """The upstream's end-to-end headers as received, then ours (which replace same-named)."""
-    return client_response_raw(upstream.headers.raw, extra)
+    return client_response_raw(upstream.headers.raw, extra, raw_extra)
+
+
+def _with_raw(extra: dict[str, str], raw_extra: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    """`extra` and `raw_extra` as one mapping (an error's envelope takes text)."""
+    if not raw_extra:
+        return extra
+    return {**extra, **dict(as_text(raw_extra))}
 
 
 class RelayResponse(StreamingResponse):

@@ -16,6 +16,7 @@ from typing import Literal
 
 from proxy.auth.keys import ProxyKey
 from proxy.errors import ProxyError
+from proxy.headers import RawHeaders
 from proxy.quota.ledger import NANO, Charge, Ledger, LedgerUnavailable, LimitArgs
 from proxy.quota.windows import Windows, duration_text, windows_at
 from proxy.store.protocol import RateLimitedLog
@@ -37,7 +38,7 @@ class Quotas:
         self.failed_open = 0  # requests let through unmetered while the ledger was down
         self.rejected = 0
         self._log = RateLimitedLog(log)
-        self._limits: dict[str, tuple[ProxyKey, LimitArgs]] = {}
+        self._quotas: dict[str, _KeyQuota] = {}
 
     def counts_tokens(self, key: ProxyKey | None) -> bool:
         """Does this key's quota need the request's prompt tokens?"""
@@ -48,28 +49,29 @@ class Quotas:
             limits.prompt_tokens_per_minute is not None or limits.prompt_tokens_per_day is not None
         )
 
-    def _limits_of(self, key: ProxyKey) -> LimitArgs:
-        """The key's limits as integers, made once per key (and again after a key reload)."""
-        found = self._limits.get(key.id)
-        if found is not None and found[0] is key:
-            return found[1]
-        if len(self._limits) > 100_000:  # ids from many reloads: start over
-            self._limits.clear()
-        limits = LimitArgs.of(key.limits)
-        self._limits[key.id] = (key, limits)
-        return limits
+    def _quota_of(self, key: ProxyKey) -> _KeyQuota:
+        """The key's limits as integers and its headers' fixed bytes, made once per key (and
+        again after a key reload)."""
+        found = self._quotas.get(key.id)
+        if found is not None and found.key is key:
+            return found
+        if len(self._quotas) > 100_000:  # ids from many reloads: start over
+            self._quotas.clear()
+        found = self._quotas[key.id] = _KeyQuota(key)
+        return found
 
-    async def charge(self, key: ProxyKey | None, tokens: int) -> dict[str, str]:
+    async def charge(self, key: ProxyKey | None, tokens: int) -> RawHeaders:
         """Count one request of `tokens` forwarded prompt tokens; the remaining-quota headers
-        for the reply. On a normal reply the upstream's own `x-ratelimit-*` pass through
-        untouched, so the key's quota goes beside them as `x-compaction-ratelimit-*`; a 429
-        carries OpenAI's own names.
+        for the reply, as wire bytes. On a normal reply the upstream's own `x-ratelimit-*`
+        pass through untouched, so the key's quota goes beside them as
+        `x-compaction-ratelimit-*`; a 429 carries OpenAI's own names.
 
         Raises ProxyError 429 over a limit, 503 if the ledger is down and on_error = "closed".
         """
         if key is None or not key.limits.any:
-            return {}
-        limits = self._limits_of(key)
+            return []
+        quota = self._quota_of(key)
+        limits = quota.limits
         w = windows_at(self.clock())
         try:
             charge = await self.ledger.charge(key.id, limits, tokens, w)
@@ -81,7 +83,7 @@ class Quotas:
             )  # fmt: skip
             if self.on_error == "open":
                 self.failed_open += 1
-                return {}
+                return []
             raise ProxyError(
                 503,
                 "The proxy cannot check quotas right now (its quota store is unreachable); "
@@ -91,7 +93,7 @@ class Quotas:
                 headers={"retry-after": "1"},
             ) from None
         if charge.denied is None:
-            return rate_limit_headers(limits, charge, w, _REPLY_NAMES)
+            return quota.reply_headers(charge, w)
         self.rejected += 1
         headers = rate_limit_headers(limits, charge, w)
         raise _denial(key, limits, charge, tokens, w, headers)
@@ -104,6 +106,53 @@ _NAMES = tuple(
     for what in ("limit", "remaining", "reset")
 )
 _REPLY_NAMES = tuple(f"x-compaction-{name[2:]}" for name in _NAMES)
+
+
+_RAW_REPLY_NAMES = tuple(name.encode() for name in _REPLY_NAMES)
+
+
+class _KeyQuota:
+    """One key's limits as the ledger takes them, with the bytes of its reply headers that
+    only change when the key does (the limits); per reply only what remains and the reset
+    times are written."""
+
+    __slots__ = ("key", "limits", "requests", "tokens", "tokens_per_minute")
+
+    def __init__(self, key: ProxyKey) -> None:
+        self.key = key
+        limits = self.limits = LimitArgs.of(key.limits)
+        self.requests = b"%d" % limits.requests
+        self.tokens_per_minute = bool(limits.tokens_minute)
+        self.tokens = b"%d" % (limits.tokens_minute or limits.tokens_day)
+
+    def reply_headers(self, charge: Charge, w: Windows) -> RawHeaders:
+        """`rate_limit_headers(limits, charge, w, _REPLY_NAMES)`, as wire bytes."""
+        limits = self.limits
+        names = _RAW_REPLY_NAMES
+        headers: RawHeaders = []
+        minute_reset = b""
+        if limits.requests:
+            minute_reset = duration_text(w.minute_reset_s).encode()
+            remaining = limits.requests - charge.requests
+            headers += (
+                (names[0], self.requests),
+                (names[1], b"%d" % (remaining if remaining > 0 else 0)),
+                (names[2], minute_reset),
+            )
+        if self.tokens_per_minute:
+            remaining = limits.tokens_minute - charge.tokens_minute
+            reset = minute_reset or duration_text(w.minute_reset_s).encode()
+        elif limits.tokens_day:
+            remaining = limits.tokens_day - charge.tokens_day
+            reset = duration_text(w.day_reset_s).encode()
+        else:
+            return headers
+        headers += (
+            (names[3], self.tokens),
+            (names[4], b"%d" % (remaining if remaining > 0 else 0)),
+            (names[5], reset),
+        )
+        return headers
 
 
 def rate_limit_headers(

@@ -109,6 +109,21 @@ _RECORD_TTL_S = 60  # a usage write's id, likewise
 _SEP = "\n"  # between model and field in a usage hash (model names never hold one)
 
 
+def _limit_args(limits: LimitArgs) -> tuple[int, ...]:
+    return (
+        limits.requests,
+        limits.tokens_minute,
+        limits.tokens_day,
+        limits.spend_day_nano,
+        limits.spend_month_nano,
+    )
+
+
+def _denial(value: bytes | str) -> Denial | None:
+    denied = value.decode() if isinstance(value, bytes) else value
+    return cast(Denial, denied) if denied else None
+
+
 async def _resent(call: Callable[[], Awaitable[T]]) -> T:
     """A charge, sent once more after a dropped connection (a stale pooled one, or a reply
     lost after the script ran: safe, a charge is idempotent). Never after a timeout: that
@@ -155,6 +170,8 @@ class RedisLedger:
         self._batching = isinstance(client, Redis)
         self._queue: list[tuple[list[str], list[int], asyncio.Future[list[Any]]]] = []
         self._senders: set[asyncio.Task[None]] = set()
+        # key id -> (windows, limits, the packed pieces of its charge command)
+        self._commands: dict[str, tuple[Any, ...]] = {}
 
     def key(self, key_id: str, *parts: str) -> str:
         return ":".join([f"{self.prefix}{{{key_id}}}", *parts])
@@ -185,6 +202,10 @@ class RedisLedger:
     ) -> Charge:
         """`charge_id`: the same for every resend of one request's charge (made here if
         None); a second charge with an id already seen returns the first one's result."""
+        if self.line is not None:
+            cid = charge_id or os.urandom(16).hex()
+            result = await self._line_charge(self._command(key_id, limits, w, tokens, cid))
+            return Charge(_denial(result[0]), *map(int, result[1:]))
         keys = [
             self.key(key_id, "rpm", w.minute),
             self.key(key_id, "tpm", w.minute),
@@ -193,21 +214,8 @@ class RedisLedger:
             self.key(key_id, "spend", w.month),
             self.key(key_id, "charge", charge_id or os.urandom(16).hex()),
         ]
-        args = [
-            limits.requests,
-            limits.tokens_minute,
-            limits.tokens_day,
-            limits.spend_day_nano,
-            limits.spend_month_nano,
-            tokens,
-            _MINUTE_TTL_S,
-            _DAY_TTL_S,
-            _CHARGE_TTL_S,
-        ]
-
-        if self.line is not None:
-            result = await self._line_charge(keys, args)
-        elif self._batching:
+        args = [*_limit_args(limits), tokens, _MINUTE_TTL_S, _DAY_TTL_S, _CHARGE_TTL_S]
+        if self._batching:
             result = await self._batched_charge(keys, args)
         else:
 
@@ -215,16 +223,52 @@ class RedisLedger:
                 return cast(list[Any], await self._charge(keys=keys, args=args))
 
             result = await self._guarded(lambda: _resent(call))
-        denied = result[0].decode() if isinstance(result[0], bytes) else result[0]
-        counts = [int(value) for value in result[1:]]
-        return Charge(cast(Denial, denied) if denied else None, *counts)
+        return Charge(_denial(result[0]), *map(int, result[1:]))
 
-    async def _line_charge(self, keys: list[str], args: list[int]) -> list[Any]:
+    def _command(self, key_id: str, limits: LimitArgs, w: Windows, tokens: int, cid: str) -> bytes:
+        """The packed EVALSHA: what changes per charge (its id, its tokens) spliced into the
+        bytes of the rest, packed once per key, limits and windows (a minute at most)."""
+        windows = (w.minute, w.day, w.month)
+        found = self._commands.get(key_id)
+        if found is None or found[0] != windows or (found[1] is not limits and found[1] != limits):
+            if len(self._commands) > 100_000:  # ids from many reloads: start over
+                self._commands.clear()
+            found = self._commands[key_id] = (windows, limits, *self._pieces(key_id, limits, w))
+        _, _, head, charge_key, middle, tail = found
+        cid_bytes = cid.encode()
+        tokens_bytes = b"%d" % tokens
+        return b"%s$%d\r\n%s%s\r\n%s$%d\r\n%s\r\n%s" % (
+            head, len(charge_key) + len(cid_bytes), charge_key, cid_bytes,
+            middle, len(tokens_bytes), tokens_bytes, tail,
+        )  # fmt: skip
+
+    def _pieces(self, key_id: str, limits: LimitArgs, w: Windows) -> tuple[bytes, ...]:
+        """(head, charge key prefix, middle, tail) of `pack(EVALSHA ...)` around the charge
+        id and the tokens."""
+        keys = [
+            self.key(key_id, "rpm", w.minute),
+            self.key(key_id, "tpm", w.minute),
+            self.key(key_id, "tpd", w.day),
+            self.key(key_id, "spend", w.day),
+            self.key(key_id, "spend", w.month),
+        ]
+        whole = pack("EVALSHA", self._charge.sha, 6, *keys)
+        head = b"*%d\r\n" % (3 + 6 + 9) + whole[whole.index(b"\r\n") + 2 :]
+        middle = pack(*_limit_args(limits))
+        tail = pack(_MINUTE_TTL_S, _DAY_TTL_S, _CHARGE_TTL_S)
+        charge_key = self.key(key_id, "charge", "").encode()
+        return (
+            head,
+            charge_key,
+            middle[middle.index(b"\r\n") + 2 :],
+            tail[tail.index(b"\r\n") + 2 :],
+        )
+
+    async def _line_charge(self, command: bytes) -> list[Any]:
         line = self.line
         assert line is not None
         if self._clock() < self._retry_at:
             raise LedgerUnavailable(self.last_error or "redis unavailable")
-        command = pack("EVALSHA", self._charge.sha, len(keys), *keys, *args)
         try:
             try:
                 return cast(list[Any], await _resent(lambda: line.call(command)))

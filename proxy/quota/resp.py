@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import re
 import socket
 from typing import Any
 
@@ -41,6 +42,12 @@ def pack(*parts: str | int | bytes) -> bytes:
     return b"".join(out)
 
 
+# The charge script's reply, the one the line reads most: a bulk string then five integers.
+_CHARGE_REPLY = re.compile(
+    rb"\*6\r\n\$(\d+)\r\n([a-z_]*)\r\n:(-?\d+)\r\n:(-?\d+)\r\n:(-?\d+)\r\n:(-?\d+)\r\n:(-?\d+)\r\n"
+)
+
+
 class _Incomplete(Exception):
     """The buffer ends inside a reply: wait for more bytes."""
 
@@ -55,6 +62,10 @@ def _line(buf: bytes, pos: int) -> tuple[bytes, int]:
 def parse(buf: bytes, pos: int = 0) -> tuple[Any, int]:
     """One RESP2 reply at `pos`: (value, position after it). Errors come back as
     ResponseError values (NoScriptError for NOSCRIPT), not raised. Raises _Incomplete."""
+    charge = _CHARGE_REPLY.match(buf, pos)
+    if charge is not None and int(charge[1]) == len(charge[2]):
+        denied, *counts = charge.groups()[1:]
+        return [denied, *map(int, counts)], charge.end()
     head, pos = _line(buf, pos)
     kind, rest = head[:1], head[1:]
     if kind == b":":

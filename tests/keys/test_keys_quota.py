@@ -552,3 +552,93 @@ async def test_a_charge_resent_with_the_same_id_is_counted_once(
             for key in keys:
                 await ledger.client.delete(key)
         await ledger.close()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"requests_per_minute": 5},
+        {"prompt_tokens_per_minute": 100},
+        {"prompt_tokens_per_day": 1000},
+        {"requests_per_minute": 5, "prompt_tokens_per_minute": 100, "prompt_tokens_per_day": 9},
+        {"requests_per_minute": 2, "prompt_tokens_per_day": 1000},
+        {"spend_usd_per_day": 1.0},
+    ],
+)
+@pytest.mark.parametrize("now", [1_800_000_030.0, 1_800_000_059.75, 1_800_000_000.5])
+async def test_reply_quota_headers_are_the_429s_under_the_compaction_names(
+    policy: dict[str, Any], now: float
+) -> None:
+    """The bytes precomputed per key say what `rate_limit_headers` says, remaining floored
+    at 0 (a key over its limit after a reload)."""
+    from proxy.auth.keys import Limits, ProxyKey
+    from proxy.errors import ProxyError
+    from proxy.headers import as_text
+    from proxy.quota import MemoryLedger, Quotas
+    from proxy.quota.quotas import rate_limit_headers
+
+    ledger = MemoryLedger()
+    seen: list[Any] = []
+    charge_of = ledger.charge
+
+    async def charge(*args: Any) -> Any:
+        seen.append(await charge_of(*args))
+        return seen[-1]
+
+    ledger.charge = charge  # type: ignore[method-assign]
+    quotas = Quotas(ledger, clock=lambda: now)
+    key = ProxyKey("k", b"", limits=Limits(**policy))
+    limits = LimitArgs.of(key.limits)
+    w = windows_at(now)
+    for tokens in (0, 7, 60, 0, 0):
+        try:
+            raw = await quotas.charge(key, tokens)
+        except ProxyError:
+            continue
+        expected = rate_limit_headers(limits, seen[-1], w)
+        assert dict(as_text(raw)) == {
+            f"x-compaction-{name[2:]}": value for name, value in expected.items()
+        }
+    # A key over its limits (they were lowered by a reload): nothing negative is shown.
+    over = (await charge_of("k", LimitArgs.of(Limits()), 10**6, w))._replace(requests=10**6)
+    shown = quotas._quota_of(key).reply_headers(over, w)
+    assert all(not value.startswith(b"-") for _, value in shown)
+    assert (b"x-compaction-ratelimit-remaining-requests", b"0") in shown or not limits.requests
+
+
+def test_the_charge_command_is_the_packed_evalsha_and_its_reply_parses_as_any_other() -> None:
+    from redis.asyncio import Redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from proxy.auth.keys import Limits
+    from proxy.quota import resp
+    from proxy.quota.redis import _CHARGE_TTL_S, _DAY_TTL_S, _MINUTE_TTL_S, RedisLedger
+
+    ledger = RedisLedger(Redis(), "p:")
+    limits = LimitArgs.of(Limits(requests_per_minute=5, prompt_tokens_per_day=100))
+    for now, tokens, charge_id in [(1_800_000_010.5, 0, "a" * 32), (1_800_090_000.0, 12345, "x")]:
+        w = windows_at(now)
+        keys = [
+            ledger.key("k", "rpm", w.minute),
+            ledger.key("k", "tpm", w.minute),
+            ledger.key("k", "tpd", w.day),
+            ledger.key("k", "spend", w.day),
+            ledger.key("k", "spend", w.month),
+            ledger.key("k", "charge", charge_id),
+        ]
+        args = [5, 0, 100, 0, 0, tokens, _MINUTE_TTL_S, _DAY_TTL_S, _CHARGE_TTL_S]
+        expected = resp.pack("EVALSHA", ledger._charge.sha, 6, *keys, *args)
+        assert ledger._command("k", limits, w, tokens, charge_id) == expected
+    replies = [
+        b"*6\r\n$0\r\n\r\n:1\r\n:20\r\n:20\r\n:0\r\n:-5\r\n",
+        b"*6\r\n$13\r\ntokens_minute\r\n:1\r\n:2\r\n:3\r\n:4\r\n:5\r\n",
+        b"*6\r\n$13\r\nrequests\r\n:1\r\n:2\r\n:3\r\n:4\r\n:5\r\n",  # length disagrees
+        b"*2\r\n:1\r\n$2\r\nab\r\n",
+    ]
+    assert resp.parse(replies[0]) == ([b"", 1, 20, 20, 0, -5], len(replies[0]))
+    assert resp.parse(replies[1]) == ([b"tokens_minute", 1, 2, 3, 4, 5], len(replies[1]))
+    with pytest.raises(RedisConnectionError):  # read as its length says: out of step
+        resp.parse(replies[2])
+    assert resp.parse(replies[3]) == ([1, b"ab"], len(replies[3]))
+    with pytest.raises(resp._Incomplete):
+        resp.parse(replies[0][:-1])
