@@ -37,6 +37,7 @@ from proxy.store import (
 )
 
 log = logging.getLogger("proxy.compaction")
+_NAMESPACES = 1024  # (summarizer model, strategy fingerprint) pairs whose namespace is kept
 
 
 class PromptCounter(Protocol):
@@ -120,6 +121,15 @@ class Compactor:
             on_change=metrics.breaker_changed,
         )
         self._other_strategies: dict[str, StrategyFactory] = {}
+        self._namespaces: dict[tuple[str, str], str] = {}
+        config = settings.compaction
+        # One for the process: it remembers which user messages matched the injected patterns.
+        self.rules = CutRules(
+            config.max_preserved_messages,
+            "carry" if config.keep_last_user_message else "off",
+            config.task_max_tokens if config.protect_task else None,
+            tuple(config.injected_user_patterns),
+        )
         try:
             self.strategy_factory = load_strategy(settings.compaction.strategy)
         except ValueError as exc:
@@ -277,22 +287,24 @@ class Compactor:
 
     def namespace(self, summarizer_model: str, compaction: Compaction) -> str:
         """Everything that shapes a summary's text: a change starts a new set of keys."""
-        return namespace_for(
+        fingerprint = compaction.fingerprint
+        known = self._namespaces.get((summarizer_model, fingerprint))
+        if known is not None:
+            return known
+        if len(self._namespaces) >= _NAMESPACES:  # model names are client input
+            self._namespaces.clear()
+        namespace = self._namespaces[(summarizer_model, fingerprint)] = namespace_for(
             model=summarizer_model,
             base_url=self.settings.compaction.summarizer.base_url
             or self.settings.upstream.base_url,
-            strategy=compaction.fingerprint,
+            strategy=fingerprint,
             chain=CHAIN_VERSION,
         )
+        return namespace
 
     def compaction_for(self, summarizer_model: str, strategy: str | None = None) -> Compaction:
         config = self.settings.compaction
-        rules = CutRules(
-            config.max_preserved_messages,
-            "carry" if config.keep_last_user_message else "off",
-            config.task_max_tokens if config.protect_task else None,
-            tuple(config.injected_user_patterns),
-        )
+        rules = self.rules
         factory = self.strategy_factory
         if strategy is not None and strategy != config.strategy:
             factory = self._other_strategies.get(strategy) or self._other_strategies.setdefault(

@@ -28,9 +28,11 @@ import hashlib
 import json
 import re
 import secrets
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from operator import is_
+from typing import Any, cast
 
 import anyio.to_thread
 import orjson
@@ -108,7 +110,7 @@ class Spans:
             first = self.index_of(messages[0])
             if first is not None:
                 run = self.messages[first : first + len(messages)]
-                if list(map(id, run)) == list(map(id, messages)):  # the very objects
+                if len(run) == len(messages) and all(map(is_, run, messages)):  # the very objects
                     found: list[int | None] = list(keys[first : first + len(messages)])
                     return found
         self.index_of(None)
@@ -134,6 +136,23 @@ class Spans:
             parts.append(encode(message) if index is None else self.view(index))
         view = memoryview(content)
         return b"".join((view[: self.open], b"[", b",".join(parts), b"]", view[self.close :]))
+
+
+def key_prefix_digests(
+    keys: Sequence[int | None], lookback: int, root: bytes, person: bytes
+) -> list[bytes]:
+    """Digests of `root` + the packed keys of keys[:n - drop] for drop = 0..lookback, in one
+    pass over the keys (each prefix's state copied on the way): a key None packs as 0."""
+    whole = cast("Sequence[int]", keys) if None not in keys else [k or 0 for k in keys]
+    packed = memoryview(array("q", whole))
+    digest = hashlib.blake2b(root, digest_size=16, person=person)
+    digest.update(packed[: len(keys) - lookback])
+    digests = [digest.copy().digest()]
+    for end in range(len(keys) - lookback + 1, len(keys) + 1):
+        digest.update(packed[end - 1 : end])
+        digests.append(digest.copy().digest())
+    digests.reverse()
+    return digests
 
 
 @dataclass(eq=False)

@@ -24,27 +24,29 @@ Everything here is linear in the number of messages.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import threading
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, partial
+from itertools import compress, repeat
+from operator import eq
 from typing import Literal
 
 from cachetools import LRUCache
 
 from proxy.compaction.protocol import CountMessage, Cut, Message
 from proxy.compaction.render import content_text, message_role
+from proxy.jsonspans import key_prefix_digests
 
 PINNED_ROLES = frozenset({"system", "developer"})
 COUNTED_ROLES = frozenset({"user", "assistant"})
 # Only the start of a user message is matched against the injected patterns.
 _MATCH_CHARS = 400
+_SEEN_TEXTS = 4096  # injected-pattern answers remembered per rules (~2 MB at most)
 
 # Messages agents inject themselves when they cannot parse the model's reply.
 DEFAULT_INJECTED = (
@@ -62,6 +64,10 @@ class CutRules:
     task_max_tokens: int | None = None  # None: the task is not protected
     injected: tuple[str, ...] = ()
 
+    # Answers by the text matched: an agent's history asks about the same user messages
+    # every turn. Cleared when full (texts are client input).
+    _seen: dict[str, bool] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
     @cached_property
     def _patterns(self) -> list[re.Pattern[str]]:
         return [re.compile(p) for p in self.injected]
@@ -74,7 +80,12 @@ class CutRules:
             head = content[:_MATCH_CHARS] if content.strip() else ""
         else:
             head = content_text(content)[:_MATCH_CHARS]
-        return any(p.search(head) for p in self._patterns)
+        seen = self._seen.get(head)
+        if seen is None:
+            if len(self._seen) >= _SEEN_TEXTS:
+                self._seen.clear()
+            seen = self._seen[head] = any(p.search(head) for p in self._patterns)
+        return seen
 
 
 @dataclass(frozen=True)
@@ -152,11 +163,7 @@ def cut_history(
                 task_summarized = first < index
     asks: tuple[int, ...] = ()
     if rules.latest_user == "carry":
-        users = [
-            i
-            for i, m in enumerate(messages[start:], start)
-            if isinstance(m, dict) and m.get("role") == "user"
-        ]
+        users = _users(messages, start)
         asks = tuple(
             i
             for i in users
@@ -169,6 +176,16 @@ def cut_history(
             later = tuple(s for s in stops if s > position)
             return CutPlan(start, position, task, asks, later, task_summarized)
     return nothing
+
+
+def _users(messages: Sequence[Message], start: int) -> list[int]:
+    """Positions of the user messages from `start` on; in C loops when all are dicts (this
+    runs over the whole history on every over-budget turn)."""
+    tail = messages[start:]
+    if set(map(type, tail)) <= {dict}:
+        roles = map(dict.get, tail, repeat("role"))
+        return list(compress(range(start, len(messages)), map(eq, roles, repeat("user"))))
+    return [i for i, m in enumerate(tail, start) if isinstance(m, dict) and m.get("role") == "user"]
 
 
 def _only_protected(start: int, end: int, task: int | None, asks: tuple[int, ...]) -> bool:
@@ -366,10 +383,7 @@ class PairingMemo:
         self._lock = threading.Lock()
 
     def partners(self, messages: Sequence[Message], keys: Sequence[int | None]) -> list[int]:
-        packed = memoryview(array("q", [k or 0 for k in keys]))
-        digests = [
-            _digest(packed[: len(keys) - drop]) for drop in range(min(_LOOKBACK, len(keys)) + 1)
-        ]
+        digests = key_prefix_digests(keys, min(_LOOKBACK, len(keys)), b"", b"cp-pairing")
         with self._lock:
             found = next(
                 (
@@ -402,8 +416,6 @@ class PairingMemo:
         return len(self._cache)
 
 
-def _digest(packed: memoryview) -> bytes:
-    return hashlib.blake2b(packed, digest_size=16, person=b"cp-pairing").digest()
 
 
 _MEMO = PairingMemo()

@@ -17,14 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from array import array
 from collections.abc import Sequence
 from typing import Literal
 
 from cachetools import LRUCache
 
 from proxy.compaction.protocol import Message
-from proxy.jsonspans import Spans
+from proxy.jsonspans import Spans, key_prefix_digests
 
 _DIGEST_SIZE = 32
 # Part of every namespace: a change to how messages are hashed starts a new set of keys, so
@@ -150,11 +149,10 @@ class ChainMemo:
 
     def longest(self, root: bytes, keys: Sequence[int | None]) -> bytes:
         """The links of the longest remembered prefix (within the last few messages)."""
-        packed = memoryview(_packed(keys))  # sliced by element
+        digests = key_prefix_digests(keys, min(_LOOKBACK, len(keys)), root, b"")
         with self._lock:
-            for drop in range(0, min(_LOOKBACK, len(keys)) + 1):
-                prefix = packed[: len(keys) - drop]
-                found = self._cache.get(_digest_of(root, prefix))
+            for digest in digests:
+                found = self._cache.get(digest)
                 if found is not None:
                     return found
         return b""
@@ -176,15 +174,5 @@ def _entry_size(chain: bytes) -> int:
 
 
 def _memo_key(root: bytes, keys: Sequence[int | None]) -> bytes:
-    return _digest_of(root, memoryview(_packed(keys)))
-
-
-def _packed(keys: Sequence[int | None]) -> array[int]:
-    return array("q", [k or 0 for k in keys])  # the memo only sees complete keys
-
-
-def _digest_of(root: bytes, packed: memoryview) -> bytes:
     """A digest of the keys, not their tuple: 16 bytes per entry instead of ~36 per message."""
-    digest = hashlib.blake2b(root, digest_size=16)
-    digest.update(packed)
-    return digest.digest()
+    return key_prefix_digests(keys, 0, root, b"")[0]

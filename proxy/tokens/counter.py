@@ -52,6 +52,7 @@ ESTIMATE_BYTES_PER_TOKEN = 4
 _MAX_PROFILES = 1024
 _TOOLS_SALT = hash("tools")
 _PREFIX_SALT = hash("prefix")
+_OWN_PREFIX_SALT = hash("prefix of own keys")
 # An agent resends its previous request plus this many new messages at most (tool call and
 # result, a user message...): one memo entry for the whole previous list covers the rest.
 PREFIX_LOOKBACK = 4
@@ -388,17 +389,27 @@ class TokenCounter:
         `given`: the messages' own keys where known (None: computed from the content)."""
         items = _as_list(messages)
         salt = profile.salt
+        total = chat.REPLY_PRIMING
+        start = 0
+        if given is not None and len(given) == len(items) and None not in given:
+            # The messages' own keys: the prefix sums are keyed by them unsalted (then salted
+            # once), so only the messages after a known prefix are salted one by one.
+            own: Sequence[int] = given  # type: ignore[assignment]
+            for drop in range(1, min(PREFIX_LOOKBACK, len(own) - 1) + 1):
+                known = self._memo.get(hash(tuple(own[:-drop])) ^ salt ^ _OWN_PREFIX_SALT)
+                if known is not None:
+                    total, start = total + known, len(own) - drop
+                    break
+            tail_keys: list[int | None] = [k ^ salt for k in own[start:]]
+            whole: int | None = hash(tuple(own)) ^ salt ^ _OWN_PREFIX_SALT
+            return (*self._misses(items, start, tail_keys, total), whole)
         if given is None or len(given) != len(items):
             keys = [None if (d := content_key(m)) is None else d ^ salt for m in items]
-        elif None not in given:
-            keys = [k ^ salt for k in given]  # type: ignore[operator]
         else:
             keys = [
                 (None if (d := content_key(m)) is None else d ^ salt) if k is None else k ^ salt
                 for m, k in zip(items, given, strict=True)
             ]
-        total = chat.REPLY_PRIMING
-        start = 0
         if None not in keys:
             # The sum of a whole earlier request's messages, when this one extends it: one
             # lookup instead of one per message (the per-message LRU costs ~1 us a hit).
@@ -407,8 +418,14 @@ class TokenCounter:
                 if known is not None:
                     total, start = total + known, len(keys) - drop
                     break
+        whole = None if None in keys else hash(tuple(keys)) ^ _PREFIX_SALT
+        return (*self._misses(items, start, keys[start:], total), whole)
+
+    def _misses(
+        self, items: list[Any], start: int, tail_keys: list[int | None], total: int
+    ) -> tuple[int, _Misses]:
+        """`total` plus the memoized counts of items[start:], and the ones still to count."""
         misses = _Misses([], [])
-        tail_keys = keys[start:]
         for message, key, cached in zip(
             items[start:], tail_keys, self._memo.get_many(tail_keys), strict=True
         ):
@@ -417,8 +434,7 @@ class TokenCounter:
                 misses.keys.append(key)
             else:
                 total += cached
-        whole = None if None in keys else hash(tuple(keys)) ^ _PREFIX_SALT
-        return total, misses, whole
+        return total, misses
 
     def _count_messages(
         self,

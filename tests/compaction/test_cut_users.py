@@ -1,0 +1,36 @@
+"""The cut's user positions and injected answers: the C-loop path and its memo answer what
+the plain loop and the patterns do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.compaction.cut import DEFAULT_INJECTED, CutRules, _users, cut_history
+
+
+def test_user_positions_with_and_without_odd_messages() -> None:
+    history: list[Any] = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "task"},
+        {"role": "assistant", "content": "a"},
+        {"role": ["user"], "content": "not a role"},
+        {"content": "no role"},
+        {"role": "user", "content": "ask"},
+    ]
+    assert _users(history, 1) == [1, 5]
+    assert _users([*history, "not a message", {"role": "user"}], 1) == [1, 5, 7]
+
+
+def test_injected_answers_are_remembered_per_text_not_per_message() -> None:
+    rules = CutRules(2, "carry", None, DEFAULT_INJECTED)
+    complaint = {"role": "user", "content": "Tool call error: reply with exactly one tool call."}
+    ask = {"role": "user", "content": "Now fix the importer."}
+    for _ in range(2):  # the second round answers from the memo
+        assert rules.is_injected(complaint) and rules.is_injected(dict(complaint))
+        assert not rules.is_injected(ask)
+    history = [{"role": "user", "content": "task"}]
+    for turn in range(6):
+        said = ask if turn < 3 else complaint
+        history += [{"role": "assistant", "content": f"step {turn}"}, said]
+    plan = cut_history(history, rules)
+    assert plan.asks == (0, 2, 4, 6)  # the complaints after the last ask are not asks
