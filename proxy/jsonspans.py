@@ -78,6 +78,12 @@ class Spans:
     # Found by the one-call fast path (`_whole_array`): a later body that extends this one
     # can be parsed from it (`extend_chat`) with the same answer.
     whole: bool = field(default=False, repr=False)
+    # Derived by the store's chain (proxy/store/chain.py) from these bytes: by (root, first
+    # message), the links and hex keys of a run of messages from there. A body extending
+    # this one starts with the same messages, so it starts with these (`extend_chat`).
+    chains: dict[tuple[bytes, int], tuple[bytes, list[str]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def view(self, index: int) -> memoryview:
         return memoryview(self.raw)[self.starts[index] : self.ends[index]]
@@ -103,16 +109,25 @@ class Spans:
         index = self.index_of(message)
         return None if index is None else self.keys()[index]
 
+    def run_of(self, messages: Sequence[object]) -> int | None:
+        """Where `messages` start in the body when they are a run of its very objects (the
+        history after the pinned ones, say); None otherwise."""
+        if not messages:
+            return None
+        first = self.index_of(messages[0])
+        if first is not None:
+            run = self.messages[first : first + len(messages)]
+            if len(run) == len(messages) and all(map(is_, run, messages)):
+                return first
+        return None
+
     def keys_for(self, messages: Sequence[object]) -> list[int | None]:
         """The key of each of `messages` that is one of the client's; None for the others."""
         keys = self.keys()
-        if messages:  # a run of the body's own messages (the history after the pinned ones)
-            first = self.index_of(messages[0])
-            if first is not None:
-                run = self.messages[first : first + len(messages)]
-                if len(run) == len(messages) and all(map(is_, run, messages)):  # the very objects
-                    found: list[int | None] = list(keys[first : first + len(messages)])
-                    return found
+        first = self.run_of(messages)
+        if first is not None:
+            found: list[int | None] = list(keys[first : first + len(messages)])
+            return found
         self.index_of(None)
         get = self._index.get  # type: ignore[union-attr]
         return [None if (i := get(id(m))) is None else keys[i] for m in messages]
@@ -386,7 +401,8 @@ def extend_chat(
     if index is not None:
         index = dict(index)
         index.update(zip(map(id, new), range(count, total), strict=True))
-    return body, Spans(raw, open_, close, starts, ends, messages, keys, index, whole=True)
+    chains = dict(base.chains)  # runs of base's messages: the same here
+    return body, Spans(raw, open_, close, starts, ends, messages, keys, index, True, chains)
 
 
 async def spans_of(raw: bytes) -> Spans | None:

@@ -16,8 +16,9 @@ an error) is parsed cold. The message objects are shared between the requests of
 nothing on the request path changes a message in place (the compaction step builds new lists).
 
 Bounded: by bytes (`cache.turn_memo_bytes`: each entry counts the body it holds, twice the
-array's bytes for the parsed objects and 512 bytes a message for lists, keys and index; a
-128k-token body of 481 KB costs ~1.6 MB), by age (`TTL_S`) and by `CANDIDATES` bodies per
+array's bytes for the parsed objects and 768 bytes a message for lists, keys, index and
+store chains; a
+128k-token body of 481 KB costs ~1.8 MB), by age (`TTL_S`) and by `CANDIDATES` bodies per
 scope and head; the least recently used goes first. The table is empty until a request is
 kept. Scoped: entries of one tenant (the summary store's scope: credential hash or proxy key
 id) are never found by another, so a faster answer tells no one what someone else sent;
@@ -41,7 +42,9 @@ HEAD_BYTES = 1024
 CANDIDATES = 8
 # An entry unused this long goes (agents send their next turn within seconds or minutes).
 TTL_S = 600.0
-_MESSAGE_OVERHEAD = 512  # lists of spans and keys, the id index, each dict's own overhead
+# Lists of spans and keys, the id index, each dict's own overhead (~350 bytes), and the
+# store chains a body keeps (2 of ~150 bytes: link, hex key).
+_MESSAGE_OVERHEAD = 768
 _ENTRY_OVERHEAD = 1024
 
 _Key = tuple[str, int]

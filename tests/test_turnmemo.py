@@ -296,3 +296,29 @@ async def test_requests_forward_the_same_bytes_and_headers_with_and_without_the_
     finally:
         for client in clients:
             await client.aclose()
+
+
+def test_store_keys_of_a_hit_reuse_the_kept_chain_and_equal_a_cold_chain() -> None:
+    from proxy.store.chain import chain_hashes
+
+    first = compact({"model": "gpt-4o", "messages": history(6)})
+    memo = kept(first)
+    kept_spans = memo.parse("s", first)
+    assert kept_spans is not None
+    base = kept_spans[2]
+    chain_hashes("scope", "ns", base.messages[1:], base)  # derived on the kept body
+    assert base.chains
+    for later in (history(7), history(6)[:-3], [*history(7), {"role": "user", "content": "x"}]):
+        raw = compact({"model": "gpt-4o", "messages": later})
+        hit = memo.parse("s", raw)
+        assert hit is not None or len(later) < len(base.messages)
+        if hit is None:
+            continue
+        spans, fresh = hit[1], cold(raw)[1]
+        assert spans.chains and spans.chains is not base.chains
+        for run in (slice(1, None), slice(1, 5), slice(2, None)):
+            assert chain_hashes("scope", "ns", spans.messages[run], spans) == chain_hashes(
+                "scope", "ns", fresh.messages[run], fresh
+            )
+        other = chain_hashes("other scope", "ns", spans.messages[1:], spans)
+        assert other == chain_hashes("other scope", "ns", fresh.messages[1:], fresh)

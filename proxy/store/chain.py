@@ -37,6 +37,8 @@ MEMO_LINKS = 131_072
 _ENTRY_OVERHEAD = 384
 # A turn adds at most this many messages to the history the previous one sent.
 _LOOKBACK = 8
+# Chains a body keeps (proxy/turnmemo.py counts them in its bound): one per root in use.
+SPANS_CHAINS = 2
 
 
 def canonical(message: object) -> bytes:
@@ -97,11 +99,33 @@ def chain_hashes(
     where m_i is "r" + SHA-256 of the client's bytes of the message (when `spans` has them)
     or "c" + its canonical JSON.
 
-    h_{i-1} has a fixed length, so the concatenation is unambiguous. `memo`: start from the
+    h_{i-1} has a fixed length, so the concatenation is unambiguous. When `messages` are a
+    run of the body's own, the chain of a run from the same message that `spans` already
+    knows (a body it extends computed it: `Spans.chains`) is reused; else `memo`'s: the
     longest chain remembered for a prefix of `messages` (keyed by the messages' byte keys).
     """
     root = _digest(canonical([scope, namespace]), b"cp-chain-root")
-    links = chain_links(root, messages, spans, memo)
+    first = spans.run_of(messages) if spans is not None else None
+    if spans is None or first is None:
+        return _hexed(chain_links(root, messages, spans, memo))
+    known, hexed = spans.chains.get((root, first), (b"", []))
+    count = len(known) // _DIGEST_SIZE
+    if count >= len(messages):
+        return hexed[: len(messages)]
+    if not count:  # nothing derived yet: the memo's, by the byte keys
+        links = chain_links(root, messages, spans, memo)
+        keys = _hexed(links)
+    else:
+        links = known + _links(known[-_DIGEST_SIZE:], messages[count:], spans)
+        keys = hexed + _hexed(links[len(known) :])
+    chains = spans.chains
+    if (root, first) not in chains and len(chains) >= SPANS_CHAINS:
+        chains.pop(next(iter(chains)), None)  # the oldest root (another model, strategy...)
+    chains[(root, first)] = (links, keys)
+    return list(keys)
+
+
+def _hexed(links: bytes) -> list[str]:
     hexed = links.hex()
     size = 2 * _DIGEST_SIZE
     return [hexed[i : i + size] for i in range(0, len(hexed), size)]
@@ -116,9 +140,16 @@ def chain_links(
     if memo is not None and keys is not None and None not in keys:
         known = memo.longest(root, keys)
     start = len(known) // _DIGEST_SIZE
-    current = known[-_DIGEST_SIZE:] if known else root
-    links = [known]
-    for message in messages[start:]:
+    chain = known + _links(known[-_DIGEST_SIZE:] if known else root, messages[start:], spans)
+    if memo is not None and keys is not None and None not in keys and start < len(messages):
+        memo.put(root, keys, chain, replaces=start)
+    return chain
+
+
+def _links(current: bytes, messages: Sequence[Message], spans: Spans | None) -> bytes:
+    """The links of `messages` after the link (or root) `current`."""
+    links = []
+    for message in messages:
         index = spans.index_of(message) if spans is not None else None
         if spans is None or index is None:
             link = _CANONICAL + canonical(message)
@@ -126,10 +157,7 @@ def chain_links(
             link = _RAW + spans.digest(index)
         current = _digest(current + link, b"cp-chain")
         links.append(current)
-    chain = b"".join(links)
-    if memo is not None and keys is not None and None not in keys and start < len(messages):
-        memo.put(root, keys, chain, replaces=start)
-    return chain
+    return b"".join(links)
 
 
 class ChainMemo:

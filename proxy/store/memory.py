@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
 
 from cachetools import TTLCache
 
@@ -69,7 +70,8 @@ class MemoryStore:
         probed = probe_range(keys, max_length)
         # A plain dict probe first (nearly every key misses), the TTL-checked get on hits only.
         data = getattr(self._cache, "_Cache__data", self._cache)
-        lengths = [k for k in range(len(probed), 0, -1) if probed[k - 1] in data]
+        lengths = list(compress(range(1, len(probed) + 1), map(data.__contains__, probed)))
+        lengths.reverse()
         found = (matches(self._get(probed[k - 1]), k) for k in lengths)
         return [summary for summary in found if summary is not None]
 
