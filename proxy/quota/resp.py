@@ -3,9 +3,10 @@
 The charge is the one Redis call on the request path, and redis-py's asyncio client spends
 more CPU on it (pool checkout, command packing, stream reader, retry wrapper: ~60-80 us per
 call) than Redis spends running the script. This line is the minimum instead: commands are
-prepacked bytes, every command issued in one loop iteration goes out in one write, replies
-are read off one buffer in order and handed to their callers. Many concurrent requests thus
-share one round trip, and each still gets its own script run (Redis runs them one after the
+prepacked bytes; a command issued while the line is idle is written at once (no loop
+iteration waited for), and every command issued while others are in flight is held and goes
+out in one write as soon as a reply comes back; replies are read off one buffer in order and
+handed to their callers. Many concurrent requests thus share one round trip, and each still gets its own script run (Redis runs them one after the
 other, each atomically), so limits stay exact.
 
 Plain TCP or a unix socket, with AUTH and SELECT from the client's URL; anything else
@@ -136,7 +137,6 @@ class ChargeLine:
         self._pending: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self._out: list[bytes] = []
         self._buffer = b""
-        self._flush_handle: asyncio.Handle | None = None
         self._watchdog: asyncio.TimerHandle | None = None
 
     @staticmethod
@@ -180,17 +180,19 @@ class ChargeLine:
         return reply
 
     def _send(self, command: bytes) -> asyncio.Future[Any]:
+        """Written at once when nothing is in flight; else held until a reply comes back, and
+        then everything held goes out in one write."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
+        idle = len(self._pending) == len(self._out)  # every command sent has its reply
         self._pending.append((future, loop.time()))
         self._out.append(command)
         self.commands += 1
-        if self._flush_handle is None:
-            self._flush_handle = loop.call_soon(self._flush)
+        if idle:
+            self._flush()
         return future
 
     def _flush(self) -> None:
-        self._flush_handle = None
         out, self._out = self._out, []
         if self._transport is None or not out:
             return
@@ -227,6 +229,8 @@ class ChargeLine:
             self._drop(RedisConnectionError(f"unreadable reply from Redis ({exc})"))
             return
         self._buffer = buf[pos:]
+        if self._out:
+            self._flush()
 
     def _lost(self, exc: BaseException) -> None:
         self._transport = None
@@ -246,10 +250,9 @@ class ChargeLine:
         for future, _ in pending:
             if not future.done():
                 future.set_exception(exc)
-        for handle in (self._watchdog, self._flush_handle):
-            if handle is not None:
-                handle.cancel()
-        self._watchdog = self._flush_handle = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = None
 
     async def _connect(self) -> None:
         """One connect for every caller waiting on it: socket, AUTH, SELECT, SCRIPT LOAD."""

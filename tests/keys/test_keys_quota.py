@@ -642,3 +642,38 @@ def test_the_charge_command_is_the_packed_evalsha_and_its_reply_parses_as_any_ot
     assert resp.parse(replies[3]) == ([1, b"ab"], len(replies[3]))
     with pytest.raises(resp._Incomplete):
         resp.parse(replies[0][:-1])
+
+
+async def test_the_charge_line_writes_at_once_when_idle_and_holds_the_rest_for_one_write() -> None:
+    """An idle line sends a command without waiting for the loop; commands issued while one
+    is in flight go out together as soon as its reply is in (one write for all of them)."""
+    from proxy.quota.resp import ChargeLine, pack
+
+    class Transport:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def abort(self) -> None:
+            pass
+
+    line = ChargeLine(timeout_s=60)
+    transport = Transport()
+    line._transport = transport  # type: ignore[assignment]
+    line._loop = asyncio.get_running_loop()
+    first, second, third = (pack("GET", name) for name in ("a", "b", "c"))
+    replies = [line._send(first)]
+    assert transport.writes == [first]  # before any loop iteration
+    replies += [line._send(second), line._send(third)]
+    await asyncio.sleep(0)
+    assert transport.writes == [first]  # held: the first is still in flight
+    line._received(b"$1\r\n1\r\n")
+    assert transport.writes == [first, second + third]
+    assert replies[0].result() == b"1" and not replies[1].done()
+    line._received(b"$1\r\n2\r\n$1\r\n3")
+    line._received(b"\r\n")
+    assert [reply.result() for reply in replies] == [b"1", b"2", b"3"]
+    assert (line.round_trips, line.commands) == (2, 3)
+    line.close()
