@@ -94,4 +94,3 @@ class DisconnectWatch:
         if watcher is not None and not watcher.done():
             watcher.remove_done_callback(self._seen)
             watcher.cancel()
-

@@ -12,6 +12,7 @@ byte for byte in both directions (`as_text` / `as_bytes`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 
 from starlette.types import Scope
 
@@ -147,6 +148,7 @@ def client_response_headers(upstream_headers: Iterable[tuple[str, str]]) -> Head
     ]
 
 
+_name = itemgetter(0)
 _RESPONSE_DROP_RAW = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | _RESPONSE_RECOMPUTED)
 
 
@@ -162,7 +164,7 @@ def client_response_raw(
     ours = [(_encode(name).lower(), _encode(value)) for name, value in extra.items()]
     if raw_extra:
         ours += raw_extra
-    drop = _RESPONSE_DROP_RAW.union(name for name, _ in ours)
+    drop = _RESPONSE_DROP_RAW.union(map(_name, ours))
     for name, value in pairs:
         if name.lower() == b"connection":
             drop = drop.union(t.strip().lower() for t in value.split(b",") if t.strip())

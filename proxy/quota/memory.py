@@ -39,15 +39,12 @@ class MemoryLedger:
         self._usage: dict[tuple[str, str, str], defaultdict[str, int]] = {}
         self._oldest_kept = ""
 
-    def _of(self, key_id: str, w: Windows) -> _Counters:
-        counters = self._counters.get(key_id)
-        if counters is None:
-            counters = self._counters[key_id] = _Counters()
-        counters.roll(w)
-        return counters
-
     async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
-        c = self._of(key_id, w)
+        c = self._counters.get(key_id)
+        if c is None:
+            c = self._counters[key_id] = _Counters()
+        if c.minute != w.minute or c.day != w.day or c.month != w.month:
+            c.roll(w)
         denied = decide(limits, tokens, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
         if denied is None:
             c.rpm += 1

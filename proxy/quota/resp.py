@@ -6,8 +6,9 @@ call) than Redis spends running the script. This line is the minimum instead: co
 prepacked bytes; a command issued while the line is idle is written at once (no loop
 iteration waited for), and every command issued while others are in flight is held and goes
 out in one write as soon as a reply comes back; replies are read off one buffer in order and
-handed to their callers. Many concurrent requests thus share one round trip, and each still gets its own script run (Redis runs them one after the
-other, each atomically), so limits stay exact.
+handed to their callers. Many concurrent requests thus share one round trip, and each still
+gets its own script run (Redis runs them one after the other, each atomically), so limits
+stay exact.
 
 Plain TCP or a unix socket, with AUTH and SELECT from the client's URL; anything else
 (TLS, a credential provider) keeps redis-py (`ChargeLine.supports`). A reply slower than
