@@ -4,6 +4,7 @@
     python -m bench.memory breakdown        # RSS step by step in one process
     python -X tracemalloc=1 -m bench.memory snapshot   # Python allocations after start, by package
     python -m bench.memory first [--starts 5] [--requests 50] [--targets proxy proxy+probe relay]
+    python -m bench.memory instructions [--targets proxy proxy-noconnect]   # under callgrind
 
 `breakdown` builds the proxy in this process as `serve` does and prints VmRSS after each
 step: the interpreter, each heavy import, the settings, each BPE encoding (tiktoken keeps
@@ -19,7 +20,15 @@ bench/upstream.py and times request 1 against the median of requests 2..N on one
 connection (opened before the clock starts), for a small chat body, non-streaming and
 streaming; `relay` (bench/relay.py) is the same for the bare relay, the floor of this stack,
 and `proxy+probe` the proxy with `server.warm_probe_s` set (the upstream connection opened
-at start). Goal: request 1 within 2x of a warm one.
+at start; since the start opens an idle upstream connection by itself, `proxy-noconnect`
+is the proxy with `server.warm_connect_s = 0`, as it was before). Goal: request 1 within 2x
+of a warm one.
+
+`instructions` is the same comparison counted in instructions (valgrind's callgrind, every
+thread of the server, from just before request 1): exact and repeatable on a busy box, where
+CPU time moves with the neighbours (a warm server's request after 0.3 s idle already costs
+1.5-2x a back-to-back one there: cold caches). One start per target (the counts repeat
+within ~1%); the server starts in ~15 s under valgrind.
 """
 
 from __future__ import annotations
@@ -238,6 +247,8 @@ def _first_cmd(target: str, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port)]
     if target == "proxy+probe":
         cmd = ["env", "COMPACTION_PROXY_SERVER__WARM_PROBE_S=1", *cmd]
+    if target == "proxy-noconnect":
+        cmd = ["env", "COMPACTION_PROXY_SERVER__WARM_CONNECT_S=0", *cmd]
     return cmd
 
 
@@ -282,14 +293,87 @@ def first_request(args: argparse.Namespace) -> dict[str, Any]:
     return {"ratios": ratios}
 
 
+def _callgrind_total(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {path}")
+
+
+def _instructions(target: str, stream: bool, env: dict[str, str], out: Path) -> list[int]:
+    """Instructions of the server (all threads) for: 0.3 s idle, request 1, request 2,
+    requests 3..12, each between two callgrind dumps."""
+    port = harness.free_port()
+    cmd = _first_cmd(target, port)
+    prefix = cmd[: cmd.index(sys.executable)]
+    command = cmd[len(prefix) :]
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                f"--callgrind-out-file={out}/{target}-{int(stream)}.%p"]  # fmt: skip
+    full_env = {**os.environ, "PYTHONPATH": str(harness.ROOT), **env}
+    proc = subprocess.Popen([*prefix, *valgrind, *command], env=full_env, cwd=harness.ROOT,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    body = json.dumps({**_BODY, "stream": stream}).encode()
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+
+    def control(flag: str) -> None:
+        time.sleep(0.3)  # the request's last callbacks have run
+        subprocess.run(["callgrind_control", flag, str(proc.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+
+    try:
+        harness._wait_listening(port, proc, timeout=600)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.connect()
+        control("--instr=on")
+        control("--dump")
+        for count in (1, 1, 10):
+            for _ in range(count):
+                conn.request("POST", "/v1/chat/completions", body, headers)
+                response = conn.getresponse()
+                response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"status {response.status}")
+            control("--dump")
+        conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    dumps = sorted(out.glob(f"{target}-{int(stream)}.*.*"), key=lambda p: int(p.suffix[1:]))
+    return [_callgrind_total(path) for path in dumps[:4]]
+
+
+def instructions(args: argparse.Namespace) -> None:
+    import tempfile
+
+    env = {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
+    rows = []
+    with harness.upstream() as up_port, tempfile.TemporaryDirectory() as tmp:
+        env["COMPACTION_PROXY_UPSTREAM__BASE_URL"] = f"http://127.0.0.1:{up_port}/v1"
+        env["BENCH_UPSTREAM"] = f"http://127.0.0.1:{up_port}"
+        for target in args.targets:
+            for stream in (False, True):
+                idle, first, second, rest = _instructions(target, stream, env, Path(tmp))
+                warm = rest / 10
+                rows.append([target, "yes" if stream else "no", f"{idle / 1e3:.0f}",
+                             f"{first / 1e3:.0f}", f"{second / 1e3:.0f}", f"{warm / 1e3:.0f}",
+                             f"{first / warm:.2f}x"])  # fmt: skip
+                print(f"  {target} stream={stream} done", file=sys.stderr)
+    print(
+        "\nfirst request after start, in thousands of instructions (callgrind, all threads "
+        "of the server): 0.3 s idle, request 1, request 2, mean of requests 3..12"
+    )
+    header = ["target", "stream", "idle", "request 1", "request 2", "warm (3..12)", "ratio"]
+    harness.print_table(header, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parts = ["breakdown", "snapshot", "first", "all"]
+    parts = ["breakdown", "snapshot", "first", "instructions", "all"]
     parser.add_argument("part", nargs="?", choices=parts, default="all")
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--requests", type=int, default=50)
     parser.add_argument(
-        "--targets", nargs="+", choices=["proxy", "proxy+probe", "relay"],
+        "--targets", nargs="+", choices=["proxy", "proxy+probe", "proxy-noconnect", "relay"],
         default=["proxy", "relay"],
     )  # fmt: skip
     parser.add_argument("--top", type=int, default=12, help="tracemalloc rows to print")
@@ -309,6 +393,8 @@ def main() -> None:
         snapshot(args)
     if args.part in ("first", "all"):
         first_request(args)
+    if args.part == "instructions":
+        instructions(args)
 
 
 if __name__ == "__main__":

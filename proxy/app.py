@@ -38,7 +38,7 @@ from proxy.transport import ServedTransport, create_upstream_client, upstream_li
 from proxy.turnmemo import TurnMemo
 from proxy.upstream import Upstream
 from proxy.usage import Meter, Pricing
-from proxy.warmup import start_probe, warm_up
+from proxy.warmup import preconnect, start_probe, warm_up
 
 log = logging.getLogger("proxy.app")
 
@@ -91,17 +91,19 @@ def create_app(
         log.info("proxying to %s", redact_url(settings.upstream.base_url))
         if served is not None:
             served.serve()
-        await warm_up(app, state, served)
-        probe = None
+        await warm_up(app, state, served, metrics)
+        probe = connect = None
         if served is not None and served.served:
+            connect = await preconnect(state, settings.server.warm_connect_s)
             probe = await start_probe(readiness, settings.server.warm_probe_s)
         reload_on_sighup(state.gate.source)
         try:
             async with metrics.running():
                 yield
         finally:
-            if probe is not None:
-                probe.cancel()
+            for task in (probe, connect):
+                if task is not None:
+                    task.cancel()
             await state.meter.join()
             await ledger.close()
             await client.aclose()

@@ -309,6 +309,27 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         if self._session is None or self._session.closed:
             self._session = self._new_session()
 
+    async def preconnect(self, url: httpx.URL, timeout_s: float) -> None:
+        """Open one connection (TCP, and TLS for https) to `url`'s host and leave it idle in
+        the pool, as a finished request would: the first request then skips the handshake.
+        Not one byte of HTTP is written. Raises httpx's errors (ConnectError, ConnectTimeout).
+
+        aiohttp has no call for this beyond `BaseConnector.connect` with a `ClientRequest`
+        (both exported; the request is only read for its connection key: host, port, TLS,
+        proxy), the same call its session makes before it writes a request."""
+        self.warm()
+        session = self._session_here()
+        connector = session.connector
+        if connector is None:
+            return
+        request = aiohttp.ClientRequest(
+            "GET", _yarl_url(url), loop=asyncio.get_running_loop(), session=session
+        )
+        timeout = aiohttp.ClientTimeout(connect=timeout_s, sock_connect=timeout_s)
+        with _map_errors(sending=True):
+            connection = await connector.connect(request, [], timeout)
+        connection.release()  # back to the pool, idle; it expires after keepalive_expiry
+
     def _bind_loop(self, loop: asyncio.AbstractEventLoop) -> _Slots:
         if self._loop is not loop or self._slots is None:
             # Lazily, in the running loop: the app builds its client before the loop starts,

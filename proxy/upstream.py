@@ -88,6 +88,11 @@ class Upstream:
             self._urls[path] = url
         return url
 
+    def prepare(self, path: str) -> httpx.URL:
+        """The upstream URL of `path` parsed now, at start (kept like any request's), so the
+        first request to it does not parse it."""
+        return self._url(path, b"")
+
     def pool_slots(self) -> PoolSlots | None:
         """In-use and free connection slots towards the upstream (None: not counted, as for
         httpx's own transport in-process)."""

@@ -6,12 +6,16 @@ Run by the lifespan before the server listens, so no request waits for it:
 - anyio's event-loop backend (imported on first use by the request path's task groups);
 - each built encoding's first encode (tiktoken's regex state);
 - a rehearsal: a few chat requests, plain and streamed, through a second app built from the
-  same settings (and the same token counter) against a throwaway upstream on 127.0.0.1. It
-  runs the request path's code (middleware, parsing, counting, compaction step, the aiohttp
-  pool, the relay) until Python has specialised it, without touching the real app's
-  metrics, logs, store, quotas or pool: nothing is sent to the upstream. Skipped with
-  `--workers` (prometheus' multiprocess files are shared by every app in a process);
-- the app's own middleware stack (Starlette builds it on the first request);
+  same settings (and the same token counter) against a throwaway upstream on 127.0.0.1,
+  served by uvicorn's HTTP protocol (the class `serve` uses) on a throwaway port. It runs
+  the request path's code (uvicorn's parser and response cycle, middleware, parsing,
+  counting, compaction step, the aiohttp pool, the relay) until Python has specialised it,
+  without touching the real app's metrics, logs, store, quotas or pool: nothing is sent to
+  the upstream. Skipped with `--workers` (prometheus' multiprocess files are shared by
+  every app in a process);
+- in the real app: the middleware stack (Starlette builds it on the first request), the
+  chat route's upstream URL parsed, and the forwarding routes' latency histograms created
+  (empty: a scrape shows them at count 0 from the start);
 - last, a full garbage collection, and what survives it frozen (`gc.freeze`): start-up
   leaves ~10^5 long-lived objects that the cyclic GC would otherwise scan in full during some
   early request (several ms).
@@ -19,9 +23,11 @@ Run by the lifespan before the server listens, so no request waits for it:
 Only a served app (uvicorn ran the lifespan and the app has its own transport) rehearses
 and freezes; in-process use (tests, an injected transport) gets the cheap steps only.
 
-With `server.warm_probe_s` set, `start_probe` then runs the /readyz checks once, which leaves
-the upstream pool a connection (off by default: the upstream then sees a request that no
-client sent).
+Then `preconnect` opens one connection to the upstream (TCP, plus TLS for https) and leaves
+it idle in the pool without writing a byte of HTTP, so the first request skips the handshake
+(`server.warm_connect_s`, on by default; the upstream sees a connection, no request).
+With `server.warm_probe_s` set, `start_probe` runs the /readyz checks once, which sends the
+upstream a `GET /models` (off by default: that is a request no client sent).
 """
 
 from __future__ import annotations
@@ -31,21 +37,28 @@ import gc
 import json
 import logging
 import time
+from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from starlette.applications import Starlette
 
+from proxy.connections import ConnectionLimits
 from proxy.logs import access_log
-from proxy.metrics import multiprocess_dir
+from proxy.metrics import Metrics, multiprocess_dir
 from proxy.readiness import Readiness
+from proxy.redact import redact_url
 from proxy.settings import AuthSettings, CacheSettings, QuotaSettings, ServerSettings
 from proxy.state import ProxyState
-from proxy.transport import ServedTransport
+from proxy.transport import ServedTransport, direct_transport
 
 log = logging.getLogger("proxy.app")
 
 REHEARSALS = 10  # per kind (plain, streamed): CPython specialises code after a few runs
+CHAT_PATH = "chat/completions"
+# Routes whose requests go upstream: their latency histograms are created at start.
+FORWARDING_ROUTES = ("/v1/chat/completions", "/v1/{path:path}")
 _MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Say hello, warm-up ünïcödé 漢字."},
@@ -73,7 +86,12 @@ _CHUNK = json.dumps(
 _SSE = b"data: " + _CHUNK + b"\n\ndata: " + _CHUNK + b"\n\ndata: [DONE]\n\n"
 
 
-async def warm_up(app: Starlette, state: ProxyState, transport: ServedTransport | None) -> float:
+async def warm_up(
+    app: Starlette,
+    state: ProxyState,
+    transport: ServedTransport | None,
+    metrics: Metrics | None = None,
+) -> float:
     """Seconds spent. Failures are logged and skipped: warming must never stop a start."""
     started = time.perf_counter()
     serving = transport is not None and transport.served  # else in-process, under tests
@@ -89,6 +107,9 @@ async def warm_up(app: Starlette, state: ProxyState, transport: ServedTransport 
             await rehearse(state)
         if app.middleware_stack is None:
             app.middleware_stack = app.build_middleware_stack()
+        state.upstream.prepare(CHAT_PATH)
+        if metrics is not None:
+            metrics.prime(FORWARDING_ROUTES)
     except Exception:
         log.warning("start-up warm-up failed; the first request pays for it", exc_info=True)
     if serving:
@@ -118,19 +139,82 @@ async def rehearse(state: ProxyState, rounds: int = REHEARSALS) -> None:
     transport = ServedTransport(httpx.Limits(max_connections=4))
     transport.serve()
     app = create_app(settings, counter=state.counter, transport=transport)
+    front, connections = await _serve_protocol(app, state.settings.server)
+    front_port = front.sockets[0].getsockname()[1]
     was_disabled, access_log.disabled = access_log.disabled, True
     try:
-        asgi = httpx.ASGITransport(app)
-        async with httpx.AsyncClient(transport=asgi, base_url="http://warm-up") as client:
+        url = f"http://127.0.0.1:{front_port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as client:  # one keep-alive connection
             for _ in range(rounds):
                 for stream in (False, True):
                     body = {"model": "warm-up", "messages": _MESSAGES, "stream": stream}
-                    await client.post("/v1/chat/completions", json=body)
+                    async with client.post(url, json=body) as reply:
+                        await reply.read()
     finally:
         access_log.disabled = was_disabled
+        front.close()
+        for connection in list(connections):
+            connection.shutdown()
+        await front.wait_closed()
         await app.state.proxy.upstream.client.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def _serve_protocol(
+    app: Starlette, server: ServerSettings
+) -> tuple[asyncio.Server, set[Any]]:
+    """`app` behind the HTTP protocol `serve` runs (uvicorn's httptools one with the proxy's
+    limits), on a throwaway port of 127.0.0.1; the protocols' set of open connections.
+    No access line: the protocol's own is off, whatever uvicorn's logging says."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    limits = ConnectionLimits(
+        server.max_connections, server.header_timeout_s, server.body_timeout_s
+    )
+    factory: Any = limits  # a protocol factory, as `serve` passes it (uvicorn types a class)
+    config = uvicorn.Config(app, http=factory, lifespan="off", ws="none", log_config=None)
+    config.load()
+    server_state = ServerState()
+
+    def protocol() -> asyncio.Protocol:
+        made = limits(config=config, server_state=server_state, app_state={})
+        made.access_log = False
+        return made
+
+    front = await asyncio.get_running_loop().create_server(protocol, "127.0.0.1", 0)
+    return front, server_state.connections
+
+
+async def preconnect(state: ProxyState, wait_s: float) -> asyncio.Task[None] | None:
+    """One connection to the upstream opened now and left idle in the pool (see the module
+    docstring), when the upstream is reached directly over the served aiohttp pool (not
+    through an HTTP(S)_PROXY mount). Waits up to `wait_s`: a slow or absent upstream delays
+    the start by no more than that, and a failure is one DEBUG line (the first request then
+    connects, and fails, as it would have). The task is returned when still running, to be
+    cancelled at shutdown."""
+    if wait_s <= 0:
+        return None
+    upstream = state.upstream
+    url = upstream.prepare(CHAT_PATH)
+    direct = direct_transport(upstream.client, url)
+    if direct is None:
+        return None
+    timeout_s = state.settings.upstream.connect_timeout_s
+    task = asyncio.create_task(direct.preconnect(url, timeout_s))
+
+    def done(finished: asyncio.Task[None]) -> None:
+        if not finished.cancelled() and finished.exception() is not None:
+            log.debug(
+                "start-up connection to %s failed: %r",
+                redact_url(upstream.base_url),
+                finished.exception(),
+            )
+
+    task.add_done_callback(done)
+    await asyncio.wait({task}, timeout=wait_s)
+    return None if task.done() else task
 
 
 async def start_probe(readiness: Readiness, wait_s: float) -> asyncio.Task[object] | None:

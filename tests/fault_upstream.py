@@ -85,6 +85,7 @@ class FaultUpstream:
     cut_by_peer: int = 0  # holds that ended because the proxy closed the connection
     headers_out: int = 0  # replies whose status and headers went out before a hold
     connections: int = 0  # accepted so far
+    connected: asyncio.Event = field(default_factory=asyncio.Event)  # one was accepted
     release: asyncio.Event = field(default_factory=asyncio.Event)
     _server: asyncio.Server | None = None
 
@@ -109,6 +110,7 @@ class FaultUpstream:
         if task is not None:
             task.set_name("fault-upstream")
         self.connections += 1
+        self.connected.set()
         connection = self.connections
         try:
             while True:
@@ -262,13 +264,14 @@ async def fault_upstream() -> AsyncIterator[FaultUpstream]:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: ASGIApp) -> AsyncIterator[int]:
+async def serving(app: ASGIApp, *, access_log: bool = False) -> AsyncIterator[int]:
     """`app` under uvicorn on 127.0.0.1 in this event loop, lifespan and all (so the proxy
     runs on its served transport); yields the port."""
-    # As `compaction-proxy serve` runs it: no uvicorn access line (the proxy writes its own).
+    # As `compaction-proxy serve` runs it: no uvicorn access line (the proxy writes its own),
+    # unless asked (as plain `uvicorn proxy.app:create_app` runs it).
     # No log config of uvicorn's: its records reach the root logger, where tests capture them.
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, lifespan="on", access_log=False, log_config=None
+        app, host="127.0.0.1", port=0, lifespan="on", access_log=access_log, log_config=None
     )
     server = uvicorn.Server(config)
     sock = socket.socket()

@@ -1,8 +1,10 @@
 """Start-up warm-up: done before the server listens, invisible to the upstream, the metrics
-and the access log; the optional start probe leaves one pooled upstream connection."""
+and the access logs; one upstream connection opened at start (no request on it) unless
+`server.warm_connect_s = 0`; the optional start probe sends the upstream `GET /models`."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -11,12 +13,13 @@ from contextlib import asynccontextmanager
 import httpx
 import pydantic
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
 from proxy import warmup
 from proxy.app import create_app
 from proxy.settings import Settings
-from tests.fault_upstream import FaultUpstream, fault_upstream
+from tests.fault_upstream import WAIT_S, FaultUpstream, fault_upstream, serving
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -35,6 +38,17 @@ async def started(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+CHAT_ROUTE = (("route", "/v1/chat/completions"),)
+
+
 async def test_warm_up_runs_at_start_and_nobody_sees_it(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="proxy.access")
     frozen_before = gc.get_freeze_count()
@@ -43,20 +57,91 @@ async def test_warm_up_runs_at_start_and_nobody_sees_it(caplog: pytest.LogCaptur
         async with started(app) as client:
             assert app.middleware_stack is not None  # built at start, not by request 1
             assert gc.get_freeze_count() > frozen_before  # start-up objects out of the GC
-            # The rehearsal went to a throwaway server: the upstream has seen nothing, the
-            # access log has no line, the metrics count no request.
+            # The rehearsal went to a throwaway server: the upstream has seen no request
+            # (one connection, opened at start, carries nothing yet), the access log has no
+            # line, the metrics count no request.
+            await asyncio.wait_for(upstream.connected.wait(), WAIT_S)
             assert upstream.seen == []
+            assert upstream.connections == 1
             assert not [r for r in caplog.records if r.name == "proxy.access"]
-            metrics = (await client.get("/metrics")).text
-            assert 'route="/v1/chat/completions"' not in metrics
+            before = samples((await client.get("/metrics")).text)
+            assert not [key for key in before if key[0] == "compaction_proxy_requests_total"]
+            # The chat route's latency histograms exist from the start, empty.
+            count = ("compaction_proxy_request_duration_seconds_count", CHAT_ROUTE)
+            assert before[count] == 0
+            assert before[("compaction_proxy_upstream_ttfb_seconds_count", CHAT_ROUTE)] == 0
             reply = await client.post("/v1/chat/completions", json=CHAT)
             assert reply.status_code == 200
             assert [s.path for s in upstream.seen] == [b"/v1/chat/completions"]
+            # The first request went out on the connection opened at start.
+            assert upstream.seen[0].connection == 1 and upstream.connections == 1
             lines = [r.getMessage() for r in caplog.records if r.name == "proxy.access"]
             assert [line.split()[:2] for line in lines] == [
                 ["GET", "/metrics"],
                 ["POST", "/v1/chat/completions"],
             ]
+            after = samples((await client.get("/metrics")).text)
+            assert after[count] == 1
+            chat = [v for k, v in after.items() if k[0] == "compaction_proxy_requests_total"
+                    and ("route", "/v1/chat/completions") in k[1]]  # fmt: skip
+            assert chat == [1]
+    gc.unfreeze()
+
+
+async def test_under_uvicorn_the_rehearsal_writes_no_access_line_and_counts_nothing(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # uvicorn's own access line on, as plain `uvicorn proxy.app:create_app` has it: the
+    # rehearsal (served by uvicorn's protocol too) writes none; the real requests do.
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="uvicorn.access")
+    # (servers and log configs of earlier tests may have stopped or disabled it)
+    monkeypatch.setattr(logging.getLogger("uvicorn.access"), "propagate", True)
+    monkeypatch.setattr(logging.getLogger("uvicorn.access"), "disabled", False)
+    async with fault_upstream() as upstream:
+        app = served_app(upstream)
+        async with (
+            serving(app, access_log=True) as port,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+        ):
+            assert upstream.seen == []
+            reply = await client.post("/v1/chat/completions", json=CHAT)
+            assert reply.status_code == 200
+            metrics = samples((await client.get("/metrics")).text)
+        await app.state.proxy.upstream.client.aclose()
+    uvicorn_lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    # All from the test's one connection (a rehearsal line would name another client port),
+    # and only its two requests.
+    assert len({line.split()[0] for line in uvicorn_lines}) == 1
+    requests = {line.split('"')[1] for line in uvicorn_lines}
+    assert requests == {"POST /v1/chat/completions HTTP/1.1", "GET /metrics HTTP/1.1"}
+    assert [s.path for s in upstream.seen] == [b"/v1/chat/completions"]
+    total = sum(v for k, v in metrics.items() if k[0] == "compaction_proxy_requests_total")
+    assert total == 1  # the chat request; the scrape is counted once it has answered
+    gc.unfreeze()
+
+
+async def test_warm_connect_s_0_opens_no_connection_at_start() -> None:
+    async with (
+        fault_upstream() as upstream,
+        started(served_app(upstream, warm_connect_s=0)) as client,
+    ):
+        assert upstream.connections == 0
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 200
+        assert upstream.connections == 1
+    gc.unfreeze()
+
+
+async def test_a_down_upstream_does_not_stop_the_start_nor_answer_for_the_first_request() -> None:
+    async with fault_upstream() as upstream:
+        url = upstream.url
+    async with started(
+        create_app(Settings.model_validate({"upstream": {"base_url": f"{url}/v1"}}))
+    ) as client:
+        reply = await client.post("/v1/chat/completions", json=CHAT)  # refused at start too
+    assert reply.status_code == 502
+    assert reply.json()["error"]["code"] == "upstream_unreachable"
     gc.unfreeze()
 
 
