@@ -95,7 +95,18 @@ class Ledger(Protocol):
         """`w`: the windows of the request's time, computed once by the caller."""
         ...
 
-    async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None: ...
+    async def record(
+        self,
+        key_id: str,
+        model: str,
+        counts: dict[str, int],
+        now: float,
+        *,
+        record_id: str | None = None,
+    ) -> None:
+        """Add one batch. `record_id`: the same for every resend of one batch (made by the
+        backend if None); a backend that can fail adds a batch it has seen the id of only once."""
+        ...
 
     async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
         """Rows for days since..until (inclusive, "YYYY-MM-DD"); all keys when None."""

@@ -52,7 +52,15 @@ class MemoryLedger:
             c.tpd += tokens
         return Charge(denied, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
 
-    async def record(self, key_id: str, model: str, counts: dict[str, int], now: float) -> None:
+    async def record(
+        self,
+        key_id: str,
+        model: str,
+        counts: dict[str, int],
+        now: float,
+        *,
+        record_id: str | None = None,  # never resent: this backend cannot fail
+    ) -> None:
         w = windows_at(now)
         row = self._usage.setdefault((key_id, w.day, model), defaultdict(int))
         for name, value in counts.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from proxy.quota.quotas import Quotas
@@ -42,3 +42,15 @@ class QuotaCollector(Collector):
         )
         lost.add_metric([], self.meter.errors)
         yield lost
+        dropped = CounterMetricFamily(
+            "compaction_proxy_usage_dropped_rows",
+            "Usage rows dropped while the ledger was unavailable: past the cap of held rows.",
+        )
+        dropped.add_metric([], self.meter.dropped_rows)
+        yield dropped
+        held = GaugeMetricFamily(
+            "compaction_proxy_usage_held_rows",
+            "Usage rows whose write failed, held for the next flush.",
+        )
+        held.add_metric([], self.meter.held_rows)
+        yield held

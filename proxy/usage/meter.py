@@ -6,6 +6,26 @@ The upstream's own `usage` is the truth: prompt tokens as forwarded, cached prom
 our own counts stand in and the row counts the request as estimated. Recording happens off
 the hot path: counts are summed in memory per key, model and day and written in one batch
 every `FLUSH_S` (so a spend cap sees spend up to that much later), and at shutdown.
+
+A row whose write failed (the ledger unavailable, after its own resend) is held and written
+again at the next flush, so usage during a Redis outage appears once Redis answers. Each
+written row carries an idempotency id, and which id a retry uses is what keeps it exact:
+- a held row is resent as it was, content and id unchanged: if its first write did land
+  (the script ran, the reply was lost), the ledger sees the id and adds nothing;
+- usage recorded for the same key, model and day meanwhile is not merged into it (that
+  would change what the id stands for, or count the held part twice under a fresh id): it
+  waits in the next batch, unsent, and goes out with an id of its own once the held row is
+  written;
+- a held row is resent under its id only within `RESEND_WITHIN_S` of its first write, while
+  the ledger still keeps that id (the Redis ledger keeps ids for 60 s). Older, it is taken
+  as unwritten and merged into the next batch (fresh id): counted once unless its first
+  write landed and the outage outlasted the id, the one case counted twice; dropping it
+  instead would lose every row of an outage longer than a minute, the common case.
+After one failed write a flush sends no more (the rest wait, unsent, for the next one), so
+only rows actually sent are held under an id. Rows kept for a retry, held or unsent, are
+bounded by `MAX_HELD_ROWS` (with the usage recorded since the last flush); one past that is
+dropped, counted (`dropped_rows`, and its replies in `errors`) and warned about once per
+outage.
 """
 
 from __future__ import annotations
@@ -13,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from operator import add
 from typing import Any
 
@@ -34,8 +56,27 @@ log = logging.getLogger("proxy.usage")
 
 COST_HEADER = "x-compaction-cost-usd"
 FLUSH_S = 0.5
+# A held row is resent under its id only while the ledger surely still knows the id (the
+# Redis ledger keeps one for 60 s from its first write; 10 s spare for a slow send).
+RESEND_WITHIN_S = 50.0
+# Rows kept for a retry while the ledger is unavailable (one per key, model and day; at most
+# ~1 KB each with a 100-character model name): bounds the meter during a long outage.
+MAX_HELD_ROWS = 10_000
 # Model names come from clients: kept bounded where they become stored keys.
 _MODEL_CHARS = 100
+
+
+Entry = tuple[str, str, str]  # key id, model, day
+
+
+@dataclass
+class _Held:
+    """A row whose write failed: resent as it was, under the same id."""
+
+    at: float  # a timestamp in the row's day
+    sums: list[int]  # USAGE_FIELDS order; never changed once written
+    record_id: str
+    first_sent: float  # monotonic time of its first write
 
 
 class Meter:
@@ -61,6 +102,13 @@ class Meter:
         self._flusher: asyncio.Task[None] | None = None  # sleeping until the next flush
         self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
+        self.max_held_rows = MAX_HELD_ROWS
+        self.resend_within_s = RESEND_WITHIN_S
+        self.dropped_rows = 0  # held rows dropped past `max_held_rows`
+        self._held: dict[Entry, _Held] = {}  # failed writes, resent at the next flush
+        self._flushing = asyncio.Lock()  # one flush at a time: each row is held once
+        self._cap_warned = False  # one warning per outage when the cap drops rows
+        self._monotonic = time.monotonic
 
     def with_stream_usage(
         self, body: dict[str, Any], raw: bytes
@@ -112,6 +160,11 @@ class Meter:
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
+    @property
+    def held_rows(self) -> int:
+        """Rows held after a failed write (sent, maybe written: resent under their ids)."""
+        return len(self._held)
+
     async def _flush_later(self) -> None:
         try:
             await asyncio.sleep(self.flush_s)
@@ -122,32 +175,109 @@ class Meter:
             self._writing.add(task)
             task.add_done_callback(self._writing.discard)
         await self.flush()
+        if self._held and self._flusher is None:  # retried without waiting for new usage
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
     async def flush(self) -> None:
-        """Write the batch now (one ledger call per key, model and day)."""
-        batch, self._batch = self._batch, {}
-        for (key_id, model, _), (now, sums) in batch.items():
-            counts = {name: value for name, value in zip(USAGE_FIELDS, sums, strict=True) if value}
-            try:
-                await self.ledger.record(key_id, model, counts, now)
-            except LedgerUnavailable as exc:
-                self.errors += 1
-                self._log.warning(
-                    "usage: %s ledger unavailable (%s); usage of key %r not recorded "
-                    "(errors=%d)", self.ledger.name, exc, key_id, self.errors,
-                )  # fmt: skip
+        """Write the batch now (one ledger call per key, model and day), held rows first.
+        After one failed write the rest are kept unsent: the ledger is down for them too."""
+        async with self._flushing:
+            batch, self._batch = self._batch, {}
+            held, self._held = self._held, {}
+            now = self._monotonic()
+            for entry, row in list(held.items()):
+                if now - row.first_sent >= self.resend_within_s:  # its id may be gone
+                    del held[entry]
+                    self._merge(batch, entry, row.at, row.sums)
+            down = False
+            for entry, row in held.items():
+                if down or not await self._write(entry, row.at, row.sums, row.record_id):
+                    down = True
+                    self._hold(entry, row)
+                    waiting = batch.pop(entry, None)
+                    if waiting is not None:  # never sent: merges with what comes next
+                        self._carry(entry, *waiting)
+            for entry, (at, sums) in batch.items():
+                if down:
+                    self._carry(entry, at, sums)
+                    continue
+                record_id = os.urandom(16).hex()
+                if not await self._write(entry, at, sums, record_id):
+                    down = True
+                    self._hold(entry, _Held(at, sums, record_id, self._monotonic()))
+            if not down:
+                self._cap_warned = False
+
+    async def _write(self, entry: Entry, at: float, sums: list[int], record_id: str) -> bool:
+        key_id, model, _ = entry
+        counts = {name: value for name, value in zip(USAGE_FIELDS, sums, strict=True) if value}
+        try:
+            await self.ledger.record(key_id, model, counts, at, record_id=record_id)
+        except LedgerUnavailable as exc:
+            self._log.warning(
+                "usage: %s ledger unavailable (%s); usage held for the next flush",
+                self.ledger.name, exc,
+            )  # fmt: skip
+            return False
+        return True
+
+    @staticmethod
+    def _merge(
+        batch: dict[Entry, tuple[float, list[int]]], entry: Entry, at: float, sums: list[int]
+    ) -> None:
+        found = batch.get(entry)
+        if found is None:
+            batch[entry] = (at, list(sums))
+        else:
+            found[1][:] = map(add, found[1], sums)
+
+    def _room(self) -> bool:
+        """Whether one more row may be kept for a retry (held, or carried to the next batch)."""
+        if len(self._held) + len(self._batch) < self.max_held_rows:
+            return True
+        if not self._cap_warned:
+            self._cap_warned = True
+            log.warning(
+                "usage: %s ledger unavailable and %d rows kept for it (the cap): usage of "
+                "further rows is dropped until it answers (counted in "
+                "compaction_proxy_usage_dropped_rows_total)", self.ledger.name, self.max_held_rows,
+            )  # fmt: skip
+        return False
+
+    def _drop(self, sums: list[int]) -> None:
+        self.dropped_rows += 1
+        self.errors += sums[0]  # its replies (USAGE_FIELDS[0] is "requests")
+
+    def _hold(self, entry: Entry, row: _Held) -> None:
+        if self._room():
+            self._held[entry] = row
+        else:
+            self._drop(row.sums)
+
+    def _carry(self, entry: Entry, at: float, sums: list[int]) -> None:
+        if entry in self._batch or self._room():
+            self._merge(self._batch, entry, at, sums)
+        else:
+            self._drop(sums)
 
     async def join(self) -> None:
         """Write everything recorded so far (tests, shutdown)."""
-        flusher = self._flusher
-        if flusher is not None:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
-        self._flusher = None
+        for _ in range(2):  # a flush in progress may schedule one more
+            flusher = self._flusher
+            if flusher is not None:
+                flusher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flusher
+            self._flusher = None
+            if self._writing:
+                await asyncio.gather(*list(self._writing), return_exceptions=True)
         await self.flush()
-        if self._writing:
-            await asyncio.gather(*list(self._writing), return_exceptions=True)
+        if self._held:
+            log.warning(
+                "usage: %d rows (%d replies) still not written: the %s ledger is unavailable",
+                len(self._held), sum(row.sums[0] for row in self._held.values()),
+                self.ledger.name,
+            )  # fmt: skip
 
 
 # A JSON reply up to this size is parsed whole (orjson: faster than reading its end in
