@@ -19,7 +19,12 @@ import httpx
 from proxy.compaction.cut import CutRules, message_keys
 from proxy.compaction.offload import off_loop
 from proxy.compaction.protocol import Compaction, Cut, Message, SummarizerError
-from proxy.compaction.strategies import StrategyFactory, StrategyOptions, load_strategy
+from proxy.compaction.strategies import (
+    BUILT_IN,
+    StrategyFactory,
+    StrategyOptions,
+    load_strategy,
+)
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
 from proxy.jsonspans import Parsed, Spans, spans_of
@@ -38,6 +43,8 @@ from proxy.store import (
 
 log = logging.getLogger("proxy.compaction")
 _NAMESPACES = 1024  # (summarizer model, strategy fingerprint) pairs whose namespace is kept
+_COMPACTIONS = 64  # built-in strategy objects kept, one per summarizer model and options
+_BUILT_IN_FACTORIES = tuple(BUILT_IN.values())
 
 
 class PromptCounter(Protocol):
@@ -122,6 +129,10 @@ class Compactor:
         )
         self._other_strategies: dict[str, StrategyFactory] = {}
         self._namespaces: dict[tuple[str, str], str] = {}
+        # Built-in strategies hold nothing of a request: one per (summarizer model, options),
+        # with its fingerprint (a JSON encoding and a hash) made once.
+        self._compactions: dict[tuple[object, ...], tuple[Compaction, str]] = {}
+        self._built_fingerprints: dict[int, tuple[Compaction, str]] = {}  # by id, held
         config = settings.compaction
         # One for the process: it remembers which user messages matched the injected patterns.
         self.rules = CutRules(
@@ -287,7 +298,7 @@ class Compactor:
 
     def namespace(self, summarizer_model: str, compaction: Compaction) -> str:
         """Everything that shapes a summary's text: a change starts a new set of keys."""
-        fingerprint = compaction.fingerprint
+        fingerprint = self._fingerprint_of(compaction)
         known = self._namespaces.get((summarizer_model, fingerprint))
         if known is not None:
             return known
@@ -302,18 +313,38 @@ class Compactor:
         )
         return namespace
 
+    def _fingerprint_of(self, compaction: Compaction) -> str:
+        built = self._built_fingerprints.get(id(compaction))
+        if built is not None and built[0] is compaction:
+            return built[1]
+        return compaction.fingerprint
+
     def compaction_for(self, summarizer_model: str, strategy: str | None = None) -> Compaction:
         config = self.settings.compaction
-        rules = self.rules
         factory = self.strategy_factory
         if strategy is not None and strategy != config.strategy:
             factory = self._other_strategies.get(strategy) or self._other_strategies.setdefault(
                 strategy,
                 load_strategy(strategy),  # names were checked when the key was loaded
             )
-        return factory(
+        built_in = any(factory is known for known in _BUILT_IN_FACTORIES)
+        key: tuple[object, ...] = ()
+        if built_in:  # everything the options below are made of
+            key = (
+                factory,
+                summarizer_model,
+                config.summary_role,
+                config.summarizer.max_message_tokens,
+                config.summarizer.context_tokens,
+                config.summary_max_tokens,
+                config.custom_instruction,
+            )
+            kept = self._compactions.get(key)
+            if kept is not None:
+                return kept[0]
+        compaction = factory(
             StrategyOptions(
-                rules=rules,
+                rules=self.rules,
                 summary_role=config.summary_role,
                 max_message_tokens=config.summarizer.max_message_tokens,
                 context_tokens=config.summarizer.context_tokens,
@@ -322,6 +353,13 @@ class Compactor:
                 count_tokens=lambda text: self.counter.count_text(summarizer_model, text),
             )
         )
+        if built_in:
+            if len(self._compactions) >= _COMPACTIONS:  # model names are client input
+                self._compactions.clear()
+                self._built_fingerprints.clear()
+            self._compactions[key] = (compaction, compaction.fingerprint)
+            self._built_fingerprints[id(compaction)] = self._compactions[key]
+        return compaction
 
     def summarizer_for(self, model: str, client_headers: dict[str, str]) -> UpstreamSummarizer:
         """Defaults: the upstream's URL and the request's model; `client_headers` carry the

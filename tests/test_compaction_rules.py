@@ -14,6 +14,7 @@ import respx
 
 from proxy.app import create_app
 from proxy.compaction.prompt import SUMMARY_MARKER
+from proxy.compaction.strategies import BUILT_IN
 from proxy.settings import ConfigError, Settings
 from proxy.tokens import TokenCounter
 from tests.agent_sim import TOOLS
@@ -274,6 +275,46 @@ def test_the_store_namespace_is_the_strategys_fingerprint() -> None:
     assert simple != namespace(summary_max_tokens=999)
     assert simple != namespace(custom_instruction="keep SQL")
     assert simple != namespace(summary_role="system")
+
+
+def test_a_built_in_strategy_is_made_once_per_summarizer_model_and_options() -> None:
+    """Kept strategy objects answer as freshly made ones: a changed model or option makes a new
+    one with its own fingerprint, and the kept ones are bounded."""
+    compactor = create_app(make_settings()).state.proxy.compactor
+    first = compactor.compaction_for("m")
+    assert compactor.compaction_for("m") is first
+    assert compactor.namespace("m", first) == compactor.namespace("m", first)
+    other = compactor.compaction_for("other-model")
+    assert other is not first
+    compactor.settings.compaction.custom_instruction = "keep SQL"
+    changed = compactor.compaction_for("m")
+    assert changed is not first and changed.fingerprint != first.fingerprint
+    assert compactor.namespace("m", changed) != compactor.namespace("m", first)
+    fresh = create_app(make_settings(compaction={"custom_instruction": "keep SQL"}))
+    made = fresh.state.proxy.compactor.compaction_for("m")
+    assert changed.fingerprint == made.fingerprint
+    assert changed.max_message_tokens == made.max_message_tokens  # type: ignore[attr-defined]
+    for i in range(200):
+        compactor.compaction_for(f"model-{i}")
+    assert len(compactor._compactions) <= 64
+
+
+def test_a_loaded_strategy_is_made_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strategy from a module may keep state of its own: its factory is asked every time."""
+    made: list[object] = []
+
+    def factory(options: Any) -> object:
+        made.append(options)
+        return BUILT_IN["simple"](options)
+
+    import proxy.compaction.strategies as strategies
+
+    monkeypatch.setattr(strategies, "_test_factory", factory, raising=False)
+    compactor = create_app(
+        make_settings(compaction={"strategy": "proxy.compaction.strategies:_test_factory"})
+    ).state.proxy.compactor
+    assert compactor.compaction_for("m") is not compactor.compaction_for("m")
+    assert len(made) == 2
 
 
 async def test_a_long_history_is_cut_off_the_event_loop(
