@@ -272,11 +272,11 @@ class Meter:
             if self._writing:
                 await asyncio.gather(*list(self._writing), return_exceptions=True)
         await self.flush()
-        if self._held:
+        left = [row.sums for row in self._held.values()] + [s for _, s in self._batch.values()]
+        if left:  # held, or unsent behind a failed write
             log.warning(
                 "usage: %d rows (%d replies) still not written: the %s ledger is unavailable",
-                len(self._held), sum(row.sums[0] for row in self._held.values()),
-                self.ledger.name,
+                len(left), sum(sums[0] for sums in left), self.ledger.name,
             )  # fmt: skip
 
 

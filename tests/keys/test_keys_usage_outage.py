@@ -150,6 +150,18 @@ async def test_usage_written_during_an_outage_appears_once_after_redis_returns(r
     assert await rig.used() == expected  # written once
 
 
+async def test_shutdown_with_redis_away_says_what_was_not_written(
+    rig: _Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig.relay.down()
+    for model in ("a", "b", "c"):
+        rig.meter.record("k", model, _counts(2, 10))
+    rig.now[0] += 2.0
+    with caplog.at_level(logging.WARNING, logger="proxy.usage"):
+        await rig.meter.join()  # one held after the failed write, two unsent behind it
+    assert "3 rows (6 replies) still not written" in caplog.text
+
+
 async def test_a_batch_that_landed_but_whose_reply_was_lost_is_not_counted_twice(
     rig: _Rig,
 ) -> None:
