@@ -20,6 +20,7 @@ from proxy.auth import Gate, KeySource
 from proxy.auth.keys_file import reload_on_sighup
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
+from proxy.egress import proxy_for
 from proxy.errors import ProxyError
 from proxy.exchange import ExchangeMiddleware
 from proxy.logs import AccessLog
@@ -89,6 +90,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("proxying to %s", redact_url(settings.upstream.base_url))
+        through = proxy_for(client, settings.upstream.base_url)
+        if through is not None:
+            log.info("upstream requests go through the proxy %s", through)
         if served is not None:
             served.serve()
         await warm_up(app, state, served, metrics)

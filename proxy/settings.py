@@ -87,11 +87,26 @@ class UpstreamSettings(Section):
     max_connections: int = Field(1000, gt=0)
     max_keepalive_connections: int = Field(200, ge=0)
     keepalive_expiry_s: float = Field(30.0, gt=0)
+    # An egress proxy for every upstream request (http://, https://, socks5://, socks5h://;
+    # `user:password@` allowed, never printed). Unset: HTTP(S)_PROXY / ALL_PROXY / NO_PROXY
+    # from the environment, as httpx reads them, unless proxy_from_env is false.
+    proxy_url: SecretStr | None = None
+    proxy_from_env: bool = True
 
     @field_validator("base_url")
     @classmethod
     def _check_base_url(cls, value: str) -> str:
         return check_base_url(value)
+
+    @field_validator("proxy_url")
+    @classmethod
+    def _check_proxy_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().startswith(_PROXY_SCHEMES):
+            raise ValueError("must start with http://, https://, socks5:// or socks5h://")
+        return value
+
+
+_PROXY_SCHEMES = ("http://", "https://", "socks5://", "socks5h://")
 
 
 def check_base_url(value: str) -> str:

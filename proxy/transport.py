@@ -32,6 +32,7 @@ import aiohttp
 import httpx
 from yarl import URL
 
+from proxy.egress import proxy_mounts
 from proxy.settings import UpstreamSettings
 
 # aiohttp adds these when absent; a proxy must send only what it was given.
@@ -526,7 +527,7 @@ def pool_slots(client: httpx.AsyncClient) -> PoolSlots | None:
 
 def direct_transport(client: httpx.AsyncClient, url: httpx.URL) -> UpstreamTransport | None:
     """The aiohttp transport that carries `client`'s request to `url`, when the client picks
-    it (so not a proxy mount from HTTP(S)_PROXY, nor a mock that patches the client) and the
+    it (so not a proxy mount, see proxy.egress, nor a mock that patches the client) and the
     app is served (see ServedTransport). Such a request can go to it without httpx building
     and sending it (`UpstreamTransport.send_bytes`)."""
     transport = client._transport_for_url(url)
@@ -561,13 +562,16 @@ def create_upstream_client(
 ) -> httpx.AsyncClient:
     """Build the app's shared client (over aiohttp unless given a transport).
 
-    Timeouts are set per request by the caller.
+    With the app's own transports (this module's), egress proxies are mounted as httpx
+    would mount them (`proxy.egress`); a transport of someone else's (a mock) carries every
+    request, as in httpx. Timeouts are set per request by the caller.
     """
     limits = upstream_limits(settings)
     timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
+    own = transport is None or isinstance(transport, UpstreamTransport | ServedTransport)
     client = httpx.AsyncClient(
         transport=transport or UpstreamTransport(limits),
-        limits=limits,  # for the proxy transports httpx mounts from HTTP(S)_PROXY
+        mounts=proxy_mounts(settings, limits) if own else None,
         timeout=timeout,
         follow_redirects=False,
     )

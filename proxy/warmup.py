@@ -128,7 +128,12 @@ async def rehearse(state: ProxyState, rounds: int = REHEARSALS) -> None:
     settings = settings.model_copy(
         update={
             "upstream": settings.upstream.model_copy(
-                update={"base_url": f"http://127.0.0.1:{port}/v1"}
+                # Straight to the throwaway upstream, never through an egress proxy.
+                update={
+                    "base_url": f"http://127.0.0.1:{port}/v1",
+                    "proxy_url": None,
+                    "proxy_from_env": False,
+                }
             ),
             "server": ServerSettings(),  # body limits and such: a rehearsal must pass them
             "auth": AuthSettings(),
@@ -190,10 +195,10 @@ async def _serve_protocol(
 async def preconnect(state: ProxyState, wait_s: float) -> asyncio.Task[None] | None:
     """One connection to the upstream opened now and left idle in the pool (see the module
     docstring), when the upstream is reached directly over the served aiohttp pool (not
-    through an HTTP(S)_PROXY mount). Waits up to `wait_s`: a slow or absent upstream delays
-    the start by no more than that, and a failure is one DEBUG line (the first request then
-    connects, and fails, as it would have). The task is returned when still running, to be
-    cancelled at shutdown."""
+    through an egress proxy's mount, see proxy.egress: then nothing is opened). Waits up to
+    `wait_s`: a slow or absent upstream delays the start by no more than that, and a failure
+    is one DEBUG line (the first request then connects, and fails, as it would have). The
+    task is returned when still running, to be cancelled at shutdown."""
     if wait_s <= 0:
         return None
     upstream = state.upstream

@@ -46,6 +46,11 @@ settings.load_profile("compaction-proxy")
 # Settings read COMPACTION_PROXY_* from the environment; tests must not inherit a user's.
 for _name in [n for n in os.environ if n.startswith("COMPACTION_PROXY_")]:
     del os.environ[_name]
+# Nor an egress proxy: the upstream client honours these (tests that need one set them).
+for _name in [
+    n for n in os.environ if n.upper() in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+]:
+    del os.environ[_name]
 
 from proxy.app import create_app  # noqa: E402
 from proxy.settings import Settings  # noqa: E402

@@ -53,6 +53,41 @@ def test_userinfo_in_an_upstream_url_is_refused_at_start_without_printing_it(
     assert "pw-SECRET" not in message
 
 
+def test_a_proxy_url_password_is_not_printed_by_a_refusal_or_the_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COMPACTION_PROXY_UPSTREAM__PROXY_URL", "ftp://u:pw-SECRET@egress:3128")
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert "upstream.proxy_url" in str(caught.value)
+    assert "pw-SECRET" not in str(caught.value)
+    monkeypatch.setenv("COMPACTION_PROXY_UPSTREAM__PROXY_URL", "http://u:pw-SECRET@egress:3128")
+    settings = load_settings()
+    assert "pw-SECRET" not in f"{settings!r} {settings} {settings.model_dump()}"
+
+
+def test_an_unusable_proxy_in_the_environment_stops_the_start_without_printing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "ftp://u:pw-SECRET@egress:3128")
+    with pytest.raises(ValueError) as caught:
+        create_app(make_settings())
+    assert "ftp://***@egress:3128" in str(caught.value)
+    assert "pw-SECRET" not in str(caught.value)
+
+
+async def test_the_start_up_line_names_the_proxy_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("HTTP_PROXY", "http://u:pw-SECRET@egress.test:3128")
+    app = create_app(make_settings(server={"warm_connect_s": 0}))
+    async with app.router.lifespan_context(app):
+        pass
+    assert "through the proxy http://***@egress.test:3128" in caplog.text
+    assert "pw-SECRET" not in caplog.text
+
+
 async def test_start_up_line_and_readyz_never_show_a_query_credential(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

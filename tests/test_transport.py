@@ -19,6 +19,7 @@ import respx
 import uvicorn
 
 from proxy.app import create_app
+from proxy.egress import proxy_for
 from proxy.settings import Settings, UpstreamSettings
 from proxy.transport import (
     ServedTransport,
@@ -461,3 +462,27 @@ async def test_only_a_served_client_without_mounts_or_mocks_is_sent_to_directly(
     )
     async with proxied:
         assert direct_transport(proxied, url) is None  # a proxy mount carries it
+
+
+def _routes(upstream: dict[str, object], *urls: str, **kw: object) -> list[str | None]:
+    settings = Settings.model_validate({"upstream": upstream}).upstream
+    client = create_upstream_client(settings, **kw)  # type: ignore[arg-type]
+    return [proxy_for(client, url) for url in urls]
+
+
+def test_egress_proxies_are_mounted_as_httpx_reads_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "egress.corp:3128")  # no scheme: http://, as httpx
+    monkeypatch.setenv("NO_PROXY", ".internal.corp")
+    urls = ("https://api.openai.com/v1", "https://llm.internal.corp/v1", "http://plain.test/v1")
+    assert _routes({}, *urls) == ["http://egress.corp:3128", None, None]
+    # The setting replaces the environment, NO_PROXY included; the switch turns it off.
+    explicit = {"proxy_url": "http://u:pw@other:8080"}
+    assert _routes(explicit, *urls) == ["http://***@other:8080"] * 3
+    assert _routes({"proxy_from_env": False}, *urls) == [None, None, None]
+    # A transport of the caller's own carries everything, as in httpx.
+    mock = httpx.MockTransport(lambda request: httpx.Response(200))
+    assert _routes({}, *urls, transport=mock) == [None, None, None]
+    monkeypatch.setenv("NO_PROXY", "*")
+    assert _routes({}, *urls) == [None, None, None]

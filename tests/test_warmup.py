@@ -199,3 +199,17 @@ async def test_a_down_upstream_does_not_stop_the_start_probe_start() -> None:
 def test_warm_probe_s_is_checked(value: float) -> None:
     with pytest.raises(pydantic.ValidationError, match="warm_probe_s"):
         Settings.model_validate({"server": {"warm_probe_s": value}})
+
+
+async def test_behind_an_egress_proxy_no_direct_connection_is_opened_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start-up connection would go around the proxy and never be used: none is made."""
+    async with fault_upstream() as proxy:
+        proxy_url = proxy.url  # nothing listens there any more
+    monkeypatch.setenv("HTTP_PROXY", proxy_url)
+    async with fault_upstream() as upstream, started(served_app(upstream)) as client:
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 502  # sent to the (absent) proxy, not to the upstream
+        assert upstream.connections == 0
+    gc.unfreeze()
