@@ -227,7 +227,7 @@ class Compactor:
             keys = None if spans is None else spans.keys_for(messages)
             return await self.counter.acount_request({**job.body, "messages": messages}, keys)
 
-        with message_keys(None if spans is None else spans.keys_for):
+        with message_keys(None if spans is None else spans.keys_for, spans):
             cut = await off_loop(
                 len(job.messages),
                 compaction.cut,

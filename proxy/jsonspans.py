@@ -84,6 +84,9 @@ class Spans:
     chains: dict[tuple[bytes, int], tuple[bytes, list[str]]] = field(
         default_factory=dict, repr=False
     )
+    # The cut's tool pairing (proxy/compaction/cut.py) of messages[:n], never changed once
+    # set: a body extending this one starts with the same messages, so with it.
+    pairing: Any = field(default=None, repr=False)
 
     def view(self, index: int) -> memoryview:
         return memoryview(self.raw)[self.starts[index] : self.ends[index]]
@@ -402,7 +405,9 @@ def extend_chat(
         index = dict(index)
         index.update(zip(map(id, new), range(count, total), strict=True))
     chains = dict(base.chains)  # runs of base's messages: the same here
-    return body, Spans(raw, open_, close, starts, ends, messages, keys, index, True, chains)
+    return body, Spans(
+        raw, open_, close, starts, ends, messages, keys, index, True, chains, base.pairing
+    )
 
 
 async def spans_of(raw: bytes) -> Spans | None:

@@ -16,13 +16,12 @@ an error) is parsed cold. The message objects are shared between the requests of
 nothing on the request path changes a message in place (the compaction step builds new lists).
 
 Bounded: by bytes (`cache.turn_memo_bytes`: each entry counts the body it holds, twice the
-array's bytes for the parsed objects and 768 bytes a message for lists, keys, index and
-store chains; a
-128k-token body of 481 KB costs ~1.8 MB), by age (`TTL_S`) and by `CANDIDATES` bodies per
-scope and head; the least recently used goes first. The table is empty until a request is
-kept. Scoped: entries of one tenant (the summary store's scope: credential hash or proxy key
-id) are never found by another, so a faster answer tells no one what someone else sent;
-requests without a scope are not kept.
+array's bytes for the parsed objects and 896 bytes a message for lists, keys, index, store
+chains and the cut's tool pairing; a 128k-token body of 481 KB costs ~1.8 MB), by age
+(`TTL_S`) and by `CANDIDATES` bodies per scope and head; the least recently used goes
+first. The table is empty until a request is kept. Scoped: entries of one tenant (the
+summary store's scope: credential hash or proxy key id) are never found by another, so a
+faster answer tells no one what someone else sent; requests without a scope are not kept.
 """
 
 from __future__ import annotations
@@ -43,8 +42,9 @@ CANDIDATES = 8
 # An entry unused this long goes (agents send their next turn within seconds or minutes).
 TTL_S = 600.0
 # Lists of spans and keys, the id index, each dict's own overhead (~350 bytes), and the
-# store chains a body keeps (2 of ~150 bytes: link, hex key).
-_MESSAGE_OVERHEAD = 768
+# store chains a body keeps (2 of ~150 bytes: link, hex key), its tool pairing (~100 bytes:
+# a partner, call and result ids).
+_MESSAGE_OVERHEAD = 896
 _ENTRY_OVERHEAD = 1024
 
 _Key = tuple[str, int]

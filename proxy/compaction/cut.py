@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from itertools import compress, repeat
 from operator import eq
-from typing import Literal
+from typing import Any, Literal
 
 from cachetools import LRUCache
 
@@ -281,14 +281,37 @@ def partners(messages: Sequence[Message]) -> list[int]:
 
     A cut at c keeps every pair intact exactly when min(partner[c:]) >= c. One pass with
     no call per ordinary message: it runs on every over-budget turn of a long history.
-    Inside `message_keys`, a history that extends a recent one (by its messages' byte keys)
-    only pairs its new messages: appending messages never changes an earlier one's partner.
+    Inside `message_keys`, a history that extends a recent one only pairs its new messages:
+    appending messages never changes an earlier one's partner. The state comes from the
+    holder's `pairing` (the body's spans, which a body extending it inherits) when it is for
+    a prefix of these very messages, else from the memo by the messages' byte keys.
     """
+    holder = _HOLDER.get()
+    if holder is None or messages is not getattr(holder, "messages", None):
+        return list(_state_of(messages).partner)
+    kept = holder.pairing
+    if isinstance(kept, _Pairing) and len(kept.partner) <= len(messages):
+        state = kept if len(kept.partner) == len(messages) else _pairing(messages, _copy(kept))
+    else:
+        state = _state_of(messages)
+    holder.pairing = state  # read only from here on: extended from copies
+    return list(state.partner)
+
+
+def _state_of(messages: Sequence[Message]) -> _Pairing:
+    """The pairing state of `messages` (not to be changed): the memo's by byte keys, when
+    known, else a cold pass."""
     keys_for = _KEYS.get()
     keys = keys_for(messages) if keys_for is not None else None
     if keys is None or len(keys) != len(messages) or not messages or None in keys:
-        return _pairing(messages, _Pairing([], {}, {}, None)).partner
-    return _MEMO.partners(messages, keys)
+        return _pairing(messages, _Pairing([], {}, {}, None))
+    return _MEMO.state(messages, keys)
+
+
+def _copy(state: _Pairing) -> _Pairing:
+    return _Pairing(
+        list(state.partner), dict(state.calls_at), dict(state.results_at), state.last_call
+    )
 
 
 @dataclass
@@ -351,18 +374,22 @@ def _pairing(messages: Sequence[Message], state: _Pairing) -> _Pairing:
 _KEYS: ContextVar[Callable[[Sequence[Message]], Sequence[int | None]] | None] = ContextVar(
     "cut_message_keys", default=None
 )
+_HOLDER: ContextVar[Any] = ContextVar("cut_pairing_holder", default=None)
 
 
 @contextmanager
 def message_keys(
     keys_for: Callable[[Sequence[Message]], Sequence[int | None]] | None,
+    holder: Any = None,
 ) -> Iterator[None]:
     """Within: `keys_for(messages)` gives each message's byte key (None: not known), so the
-    pairing of a history that extends a recent one is reused (`PairingMemo`)."""
-    token = _KEYS.set(keys_for)
+    pairing of a history that extends a recent one is reused (`PairingMemo`); `holder` (the
+    body's spans: `messages` and a `pairing` attribute) keeps the pairing of its messages."""
+    token, held = _KEYS.set(keys_for), _HOLDER.set(holder)
     try:
         yield
     finally:
+        _HOLDER.reset(held)
         _KEYS.reset(token)
 
 
@@ -383,6 +410,10 @@ class PairingMemo:
         self._lock = threading.Lock()
 
     def partners(self, messages: Sequence[Message], keys: Sequence[int | None]) -> list[int]:
+        return list(self.state(messages, keys).partner)
+
+    def state(self, messages: Sequence[Message], keys: Sequence[int | None]) -> _Pairing:
+        """The pairing state of `messages`, shared with the memo: not to be changed."""
         digests = key_prefix_digests(keys, min(_LOOKBACK, len(keys)), b"", b"cp-pairing")
         with self._lock:
             found = next(
@@ -394,23 +425,15 @@ class PairingMemo:
                 None,
             )
         if found is not None and found[0] == 0:
-            return list(found[1].partner)
-        if found is None:
-            state = _Pairing([], {}, {}, None)
-        else:
-            old = found[1]
-            state = _Pairing(
-                list(old.partner), dict(old.calls_at), dict(old.results_at), old.last_call
-            )
+            return found[1]
+        state = _Pairing([], {}, {}, None) if found is None else _copy(found[1])
         state = _pairing(messages, state)
         if len(messages) <= self._cache.maxsize:
             with self._lock:
                 if found is not None:
                     self._cache.pop(digests[found[0]], None)
-                self._cache[digests[0]] = _Pairing(
-                    list(state.partner), state.calls_at, state.results_at, state.last_call
-                )
-        return state.partner
+                self._cache[digests[0]] = state
+        return state
 
     def __len__(self) -> int:
         return len(self._cache)

@@ -113,3 +113,42 @@ def test_pairing_memo_is_bounded_by_messages() -> None:
         turn: list[Message] = [{"role": "user", "content": f"{session} {i}"} for i in range(30)]
         memo.partners(turn, _content_keys(turn))
     assert 1 <= len(memo) <= 100 // 30
+
+
+class _Holder:
+    """What the body's spans offer the cut: the message list and a pairing slot."""
+
+    def __init__(self, messages: list[Message], pairing: object = None) -> None:
+        self.messages = messages
+        self.pairing = pairing
+
+
+@settings(max_examples=100, deadline=None)
+@given(history=agent_histories(), extra=st.integers(0, len(ODD_PAIRS)))
+def test_pairing_kept_on_the_body_equals_pairing_it_whole(
+    history: list[Message], extra: int
+) -> None:
+    """Each turn's body inherits the pairing its previous one kept (as an extended body's
+    spans do) and pairs only its new messages: the partners equal a cold pass, and a caller
+    changing the list it got changes nothing later turns see."""
+    history = history + ODD_PAIRS[:extra]
+    kept: object = None
+    length = 0
+    while length < len(history):
+        length = min(len(history), length + 1 + length % 8)
+        turn = copy.deepcopy(history[:length])
+        holder = _Holder(turn, kept)
+        with message_keys(_content_keys, holder):
+            got = partners(turn)
+            again = partners(turn)  # the body's own, kept
+        assert got == partners(copy.deepcopy(turn)) == again
+        assert holder.pairing is not None
+        got[:] = [-1] * len(got)
+        with message_keys(None, holder):
+            assert partners(turn) == again
+        assert partners(turn) == again  # no holder: the memo, not the body's
+        kept = holder.pairing
+    other = _Holder(copy.deepcopy(history), kept)
+    with message_keys(_content_keys, other):
+        assert partners(history) == partners(copy.deepcopy(history))  # another list: not kept
+    assert other.pairing is kept
