@@ -42,6 +42,18 @@ WHOLE_REPLY_BYTES = 256 * 1024
 _URL_CACHE = 256
 
 
+class BodyTap(Protocol):
+    """Sees a relayed body chunk by chunk, in the relay's own loop (no generator of its own)."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What the client gets for this chunk now (b"": nothing yet)."""
+        ...
+
+    def end(self) -> bytes:
+        """What is still to send once the upstream's body has ended."""
+        ...
+
+
 class ReplyTap(Protocol):
     """Reads a reply as it is relayed (usage accounting), changing nothing unless it says so."""
 
@@ -49,10 +61,13 @@ class ReplyTap(Protocol):
         """A reply read whole (`body` as relayed, still content-encoded); headers to add."""
         ...
 
-    def relay(
-        self, status: int, headers: httpx.Headers, chunks: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
-        """A reply relayed as it arrives; yields what the client gets."""
+    def body(self, status: int, headers: httpx.Headers, streaming: bool) -> BodyTap | None:
+        """A reply relayed as it arrives (`streaming`: an SSE body): what sees its chunks,
+        None to pass them untouched. `finish` follows however the body ends."""
+        ...
+
+    def finish(self) -> None:
+        """The relayed body ended (completely, failed, or the client left)."""
         ...
 
 
@@ -192,9 +207,7 @@ class Upstream:
                 extra.setdefault("x-accel-buffering", "no")
             length = upstream.headers.get("content-length", "")
             if streaming or not (length.isdigit() and int(length) <= WHOLE_REPLY_BYTES):
-                chunks = _relay_body(upstream, self.host)
-                if tap is not None:
-                    chunks = tap.relay(upstream.status_code, upstream.headers, chunks)
+                chunks = _relay_body(upstream, self.host, tap, streaming)
                 raw = _client_headers(upstream, extra, raw_headers)
                 return RelayResponse(upstream, chunks, raw, watch)
         except BaseException:
@@ -308,13 +321,33 @@ async def _close(upstream: httpx.Response) -> None:
         await upstream.aclose()
 
 
-async def _relay_body(upstream: httpx.Response, host: str) -> AsyncIterator[bytes]:
+async def _relay_body(
+    upstream: httpx.Response, host: str, tap: ReplyTap | None = None, streaming: bool = False
+) -> AsyncIterator[bytes]:
+    """The body as it arrives; with `tap`, each chunk as the tap passes it on (in this loop:
+    a tap adds no generator layer per chunk)."""
     try:
+        seen = None if tap is None else tap.body(upstream.status_code, upstream.headers, streaming)
         if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
-            yield upstream.content
+            if seen is None:
+                yield upstream.content
+                return
+            body = seen.feed(upstream.content) + seen.end()
+            if body:
+                yield body
             return
+        if seen is None:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+            return
+        feed = seen.feed
         async for chunk in upstream.aiter_raw():
-            yield chunk
+            out = feed(chunk)
+            if out:
+                yield out
+        rest = seen.end()
+        if rest:
+            yield rest
     except httpx.HTTPError as exc:
         # Status and headers are already sent. Ending the body cleanly would pass a truncated
         # reply off as complete; raising makes the server abort the connection instead, so
@@ -322,4 +355,8 @@ async def _relay_body(upstream: httpx.Response, host: str) -> AsyncIterator[byte
         log.warning("upstream %s failed mid-response: %s", host, type(exc).__name__)
         raise UpstreamBrokeOff(f"upstream {host} broke off the response") from exc
     finally:
-        await _close(upstream)
+        try:
+            if tap is not None:
+                tap.finish()
+        finally:
+            await _close(upstream)

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import add
 from typing import Any
@@ -300,6 +300,8 @@ def whole_usage(body: bytes, headers: httpx.Headers) -> ReportedUsage | None:
 class ChatTap:
     """One chat reply's accounting; satisfies `proxy.upstream.ReplyTap`."""
 
+    __slots__ = ("_stream", "_tail", "hide_usage", "key_id", "meter", "model", "outcome", "status")
+
     def __init__(
         self, meter: Meter, key_id: str, model: str, outcome: Outcome, hide_usage: bool
     ) -> None:
@@ -308,6 +310,9 @@ class ChatTap:
         self.model = model
         self.outcome = outcome
         self.hide_usage = hide_usage
+        self.status = 0
+        self._stream: StreamTap | None = None
+        self._tail: BodyTail | None = None
 
     def whole(self, status: int, headers: httpx.Headers, body: bytes) -> Mapping[str, str]:
         if status >= 400:
@@ -318,35 +323,31 @@ class ChatTap:
             return {}
         return {COST_HEADER: f"{cost / NANO:.6f}"}
 
-    async def relay(
-        self, status: int, headers: httpx.Headers, chunks: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
-        streaming = headers.get("content-type", "").startswith("text/event-stream")
+    def body(
+        self, status: int, headers: httpx.Headers, streaming: bool
+    ) -> StreamTap | BodyTail | None:
+        """An SSE stream goes through a `StreamTap`; a JSON reply too big to be read whole
+        passes untouched while its usage is read from its last bytes; anything else (an
+        error, a content-encoded stream) passes untouched and our own counts are recorded."""
+        self.status = status
+        if status >= 400:
+            return None
         encoding = headers.get("content-encoding", "")
-        if not streaming or status >= 400 or encoding:
-            # Relayed untouched. A JSON reply too big to be read whole: its usage is read from
-            # its last bytes as they pass; anything else: our own counts are recorded.
-            tail = BodyTail(encoding) if status < 400 and not streaming else None
-            try:
-                async for chunk in chunks:
-                    if tail is not None:
-                        tail.feed(chunk)
-                    yield chunk
-            finally:
-                self._finish(status, None if tail is None else tail.usage(), events=0)
-            return
-        tap = StreamTap(hide_usage_event=self.hide_usage)
-        feed = tap.feed
-        try:
-            async for chunk in chunks:
-                out = feed(chunk)
-                if out:
-                    yield out
-            rest = tap.end()
-            if rest:
-                yield rest
-        finally:
-            self._finish(status, tap.usage, events=tap.events)
+        if not streaming:
+            tail = self._tail = BodyTail(encoding)
+            return tail
+        if encoding:
+            return None
+        stream = self._stream = StreamTap(hide_usage_event=self.hide_usage)
+        return stream
+
+    def finish(self) -> None:
+        stream = self._stream
+        if stream is not None:
+            self._finish(self.status, stream.usage, events=stream.events)
+        else:
+            tail = self._tail
+            self._finish(self.status, None if tail is None else tail.usage(), events=0)
 
     def _finish(self, status: int, reported: ReportedUsage | None, events: int) -> tuple[int, bool]:
         outcome = self.outcome

@@ -443,3 +443,31 @@ async def test_tap_on_a_reply_in_one_chunk_matches_byte_by_byte(stream: bytes) -
     out = b"".join(await relay_in(hidden, WHOLE_STREAMS[0], []))
     assert out == _DELTA + b"\n\ndata: [DONE]\n\n"
     assert hidden.usage is not None and hidden.usage.prompt_tokens == 7
+
+
+async def test_tap_reads_usage_the_fast_parser_refuses_as_the_stdlib_does() -> None:
+    # Counts past 64 bits (orjson would read them as floats) and a NaN elsewhere in the
+    # event (orjson refuses it) are read as json reads them: the usage is exact, the
+    # usage-only event is still removed.
+    big = 2**70
+    for usage_event in (
+        b'data: {"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":3}}\n\n' % big,
+        b'data: {"x":NaN,"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":3}}\n\n'
+        % big,
+    ):
+        stream = _DELTA + b"\n\n" + usage_event + b"data: [DONE]\n\n"
+        for cuts in ([], list(range(1, len(stream), 5))):
+            hidden = StreamTap(hide_usage_event=True)
+            out = b"".join(await relay_in(hidden, stream, cuts))
+            assert out == _DELTA + b"\n\ndata: [DONE]\n\n"
+            assert hidden.usage == (big, 3, 0)
+
+
+async def test_a_stream_without_usage_is_estimated_from_its_events_in_any_chunks() -> None:
+    stream = b"".join(sse_events("m", None, usage_null=False))
+    for cuts in ([], [3], list(range(1, len(stream), 9))):
+        tap = StreamTap(hide_usage_event=True)
+        assert b"".join(await relay_in(tap, stream, cuts)) == stream
+        assert tap.usage is None
+        # "data:" split across chunks is not counted (an estimate): at most the 3 events
+        assert tap.events <= 3 and (cuts != [] or tap.events == 3)
