@@ -292,8 +292,10 @@ def whole_usage(body: bytes, headers: httpx.Headers) -> ReportedUsage | None:
         return usage_of_body(body, encoding)
     try:
         data = orjson.loads(body)
-    except orjson.JSONDecodeError:  # orjson refuses what json may read (huge integers)
+    except orjson.JSONDecodeError:  # orjson refuses what json may read (NaN, lone surrogates)
         return usage_of_body(body)
+    # Counts past 64 bits come back as floats, which `parse` refuses: estimated, as no
+    # ledger could add them anyway.
     return ReportedUsage.parse(data.get("usage")) if type(data) is dict else None
 
 
