@@ -38,6 +38,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
+from redis.typing import ScriptTextT
 
 from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
 from proxy.quota.resp import ChargeLine, pack
@@ -324,19 +325,29 @@ class RedisLedger:
         if len(queue) == 1:  # alone: a plain EVALSHA is cheaper than a pipeline of one
             keys, args, _ = queue[0]
             return [cast(list[Any], await self._charge(keys=keys, args=args))]
-        for attempt in range(2):
-            pipe = self.client.pipeline(transaction=False)
+
+        def build(pipe: Any) -> None:
             for keys, args, _ in queue:
                 pipe.evalsha(self._charge.sha, len(keys), *keys, *args)
+
+        return cast(list[list[Any]], await self._pipelined(build, self._charge.script))
+
+    async def _pipelined(self, build: Callable[[Any], None], script: ScriptTextT) -> list[Any]:
+        """One non-transactional pipeline, filled by `build`; sent once more after loading
+        `script` when Redis did not know it (first use, or Redis restarted). Raises the first
+        error among the replies."""
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
             results = await pipe.execute(raise_on_error=False)
             if not any(isinstance(r, NoScriptError) for r in results):
                 break
-            if attempt == 0:  # first use, or Redis restarted: load the script once, resend
-                await self.client.script_load(_CHARGE_LUA)
+            if attempt == 0:
+                await self.client.script_load(script)
         for result in results:
             if isinstance(result, Exception):
                 raise result if isinstance(result, RedisError) else RedisError(str(result))
-        return cast(list[list[Any]], results)
+        return results
 
     async def record(
         self,
@@ -371,19 +382,12 @@ class RedisLedger:
             if not self._batching:  # a cluster pipelines no scripts: the index on its own
                 await self._record(keys=keys, args=args)
                 return await self.client.sadd(self.index_key, key_id)
-            for attempt in range(2):
-                pipe = self.client.pipeline(transaction=False)
+
+            def build(pipe: Any) -> None:
                 pipe.evalsha(self._record.sha, len(keys), *keys, *args)
                 pipe.sadd(self.index_key, key_id)
-                results = await pipe.execute(raise_on_error=False)
-                if not isinstance(results[0], NoScriptError):
-                    break
-                if attempt == 0:  # first use, or Redis restarted: load the script, resend
-                    await self.client.script_load(self._record.script)
-            for result in results:
-                if isinstance(result, Exception):
-                    raise result if isinstance(result, RedisError) else RedisError(str(result))
-            return results
+
+            return await self._pipelined(build, self._record.script)
 
         await self._guarded(lambda: _resent(call))
 
