@@ -129,18 +129,6 @@ class _KeyQuota:
         """`rate_limit_headers(limits, charge, w, _REPLY_NAMES)`, as wire bytes."""
         limits = self.limits
         names = _RAW_REPLY_NAMES
-        if limits.requests and self.tokens_per_minute:  # both per minute: one reset text
-            reset = duration_text(w.minute_reset_s).encode()
-            requests = limits.requests - charge.requests
-            tokens = limits.tokens_minute - charge.tokens_minute
-            return [
-                (names[0], self.requests),
-                (names[1], b"%d" % (requests if requests > 0 else 0)),
-                (names[2], reset),
-                (names[3], self.tokens),
-                (names[4], b"%d" % (tokens if tokens > 0 else 0)),
-                (names[5], reset),
-            ]
         headers: RawHeaders = []
         minute_reset = b""
         if limits.requests:
