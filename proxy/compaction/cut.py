@@ -409,9 +409,6 @@ class PairingMemo:
         )
         self._lock = threading.Lock()
 
-    def partners(self, messages: Sequence[Message], keys: Sequence[int | None]) -> list[int]:
-        return list(self.state(messages, keys).partner)
-
     def state(self, messages: Sequence[Message], keys: Sequence[int | None]) -> _Pairing:
         """The pairing state of `messages`, shared with the memo: not to be changed."""
         digests = key_prefix_digests(keys, min(_LOOKBACK, len(keys)), b"", b"cp-pairing")
@@ -437,8 +434,6 @@ class PairingMemo:
 
     def __len__(self) -> int:
         return len(self._cache)
-
-
 
 
 _MEMO = PairingMemo()

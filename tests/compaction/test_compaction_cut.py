@@ -102,16 +102,16 @@ def test_pairing_of_a_growing_history_equals_pairing_it_whole(
     while length < len(history):
         length = min(len(history), length + 1 + length % 8)
         turn = copy.deepcopy(history[:length])  # new objects each turn, as parsed
-        assert memo.partners(turn, _content_keys(turn)) == partners(turn)
+        assert memo.state(turn, _content_keys(turn)).partner == partners(turn)
         with message_keys(_content_keys):  # the same through cut_history's entry point
-            assert partners(turn) == memo.partners(turn, _content_keys(turn))
+            assert partners(turn) == memo.state(turn, _content_keys(turn)).partner
 
 
 def test_pairing_memo_is_bounded_by_messages() -> None:
     memo = PairingMemo(max_messages=100)
     for session in range(50):
         turn: list[Message] = [{"role": "user", "content": f"{session} {i}"} for i in range(30)]
-        memo.partners(turn, _content_keys(turn))
+        memo.state(turn, _content_keys(turn))
     assert 1 <= len(memo) <= 100 // 30
 
 
