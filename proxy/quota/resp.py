@@ -167,7 +167,8 @@ class ChargeLine:
         )
 
     async def call(self, command: bytes) -> Any:
-        """Send one packed command (coalesced with others of this loop iteration); its reply.
+        """Send one packed command (at once on an idle line, else with the others held until
+        the next reply); its reply.
 
         A Redis error reply is raised (ResponseError, NoScriptError); a lost connection or a
         timeout raise RedisConnectionError / TimeoutError."""
