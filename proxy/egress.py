@@ -21,7 +21,7 @@ import httpx
 from httpx._utils import get_environment_proxies
 
 from proxy.redact import redact_url
-from proxy.settings import UpstreamSettings
+from proxy.settings import ConfigError, UpstreamSettings
 
 Mounts = dict[str, httpx.AsyncBaseTransport | None]
 
@@ -47,10 +47,20 @@ def proxy_mounts(settings: UpstreamSettings, limits: httpx.Limits) -> Mounts:
         return {"all://": ProxyTransport(settings.proxy_url.get_secret_value(), limits)}
     if not settings.proxy_from_env:
         return {}
-    return {
-        pattern: None if url is None else ProxyTransport(url, limits)
-        for pattern, url in get_environment_proxies().items()
-    }
+    mounts: Mounts = {}
+    for pattern, url in get_environment_proxies().items():
+        try:
+            mounts[pattern] = None if url is None else ProxyTransport(url, limits)
+        except ValueError as exc:  # the start-up stops with one line, not a traceback
+            raise ConfigError(
+                f"{exc} (read from {_ENVIRONMENT_NAMES.get(pattern, 'the environment')}; "
+                "fix it, or set upstream.proxy_from_env = false to ignore the environment)"
+            ) from None
+    return mounts
+
+
+# The variables behind httpx's mount patterns (it reads the lower-case names too).
+_ENVIRONMENT_NAMES = {"http://": "HTTP_PROXY", "https://": "HTTPS_PROXY", "all://": "ALL_PROXY"}
 
 
 def proxy_for(client: httpx.AsyncClient, url: str) -> str | None:

@@ -486,3 +486,20 @@ def test_egress_proxies_are_mounted_as_httpx_reads_the_environment(
     assert _routes({}, *urls, transport=mock) == [None, None, None]
     monkeypatch.setenv("NO_PROXY", "*")
     assert _routes({}, *urls) == [None, None, None]
+
+
+def test_a_bad_egress_proxy_in_the_environment_stops_the_start_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from proxy.cli import main
+
+    monkeypatch.setenv("HTTPS_PROXY", "ftp://user:hunter2@egress.corp:21")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--upstream", "https://api.openai.com/v1", "--port", "9"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "hunter2" not in err
+    assert "ftp://***@egress.corp:21" in err and "HTTPS_PROXY" in err
+    assert "proxy_from_env" in err  # how to ignore the environment instead
+    # Ignoring the environment, the same start goes on (here to the server, stubbed).
+    assert _routes({"proxy_from_env": False}, "https://api.openai.com/v1") == [None]
