@@ -70,7 +70,7 @@ def test_an_unusable_proxy_in_the_environment_stops_the_start_without_printing_i
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("HTTPS_PROXY", "ftp://u:pw-SECRET@egress:3128")
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(ConfigError) as caught:
         create_app(make_settings())
     assert "ftp://***@egress:3128" in str(caught.value)
     assert "pw-SECRET" not in str(caught.value)
