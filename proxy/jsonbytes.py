@@ -7,13 +7,18 @@ cannot be encoded as UTF-8. Two encoders, for two readers:
   `\\uXXXX` escape the client sent, so the upstream reads exactly what the client meant, and
   the bytes stay valid UTF-8.
 - `cleaned`: a body we compose (the summarizer's input): lone surrogates become U+FFFD, as
-  only a model reads it and some upstreams refuse the escapes.
+  only a model reads it and some upstreams refuse the escapes. Written by orjson (a 100 KB
+  summarizer request: ~1 ms with the stdlib, ~0.05 ms), byte for byte what the stdlib writes
+  for what we compose (strings, integers, booleans, lists, objects with string keys); what
+  orjson refuses (lone surrogates, integers past 64 bits, other keys) goes the stdlib's way.
 """
 
 from __future__ import annotations
 
 import json
 import re
+
+import orjson
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -26,7 +31,12 @@ def forwarded(value: object) -> bytes:
 
 
 def cleaned(value: object) -> bytes:
-    """Compact UTF-8 JSON with every lone surrogate replaced by U+FFFD."""
+    """Compact UTF-8 JSON with every lone surrogate replaced by U+FFFD. No floats: orjson
+    writes them otherwise than the stdlib (`1e-05` as `0.00001`, NaN as null)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError: a lone surrogate, a huge integer, ...
+        pass
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     try:
         return text.encode("utf-8")
