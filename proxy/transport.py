@@ -1,21 +1,26 @@
 """The one pooled HTTP client the app uses towards the upstream (and the summarizer).
 
-httpx is the API; the wire is aiohttp. On every request httpcore's pool walks all its
-connections (an O(n^2) idle count, a poll() per idle socket), so a plain httpx relay loses
-about two thirds of its throughput from concurrency 1 to 64; aiohttp's connector does not.
-Numbers and the other options measured: bench/README.md, `python -m bench.transports`.
+httpx is the API; the wire is `proxy.wire` (a small httptools client) for plain-http
+requests with a known body, aiohttp for the rest (https, HEAD, streamed request bodies).
+On every request httpcore's pool walks all its connections (an O(n^2) idle count, a poll()
+per idle socket), so a plain httpx relay loses about two thirds of its throughput from
+concurrency 1 to 64; neither of these does. Numbers and the other options measured:
+bench/README.md, `python -m bench.transports`.
 
-`UpstreamTransport` is an `httpx.AsyncBaseTransport` that sends with aiohttp and maps its
-errors onto httpx's (refused -> ConnectError; connect/read/pool timeouts -> ConnectTimeout,
-ReadTimeout, PoolTimeout). httpx's write timeout has no aiohttp counterpart and is not
-applied; `max_keepalive_connections` is not enforced (idle ones expire after keepalive_expiry).
-Header bytes cross unchanged: aiohttp writes header text as UTF-8, so a request whose header
-bytes are not UTF-8 (latin-1 from `requests` or Node) goes through httpx's own transport,
-which writes bytes as given. A request is sent once: aiohttp's own resend of idempotent
-requests when a reused keep-alive connection drops is off, since the upstream may already
-have acted on the first. `slots` counts the pool's in-use and free connection slots.
-Which wire a client gets is chosen by whoever builds it (`create_app(transport=...)`); the
-app's default, `ServedTransport`, is httpx's own transport in-process and aiohttp once served.
+`UpstreamTransport` is an `httpx.AsyncBaseTransport` that sends with one of them and maps
+aiohttp's errors onto httpx's (`proxy.wire` raises httpx's itself): refused -> ConnectError;
+connect/read/pool timeouts -> ConnectTimeout, ReadTimeout, PoolTimeout. httpx's write
+timeout is not applied. aiohttp does not enforce `max_keepalive_connections` (idle ones
+expire after keepalive_expiry), `proxy.wire` does; both share one count of
+`max_connections` slots. Header bytes cross unchanged: `proxy.wire` writes them as given;
+aiohttp writes header text as UTF-8, so such a request whose header bytes are not UTF-8
+(latin-1 from `requests` or Node) goes through httpx's own transport, which writes bytes as
+given. A request is sent once: `proxy.wire` never resends, and aiohttp's own resend of
+idempotent requests when a reused keep-alive connection drops is off, since the upstream
+may already have acted on the first. `slots` counts the pool's in-use and free connection
+slots. Which wire a client gets is chosen by whoever builds it (`create_app(transport=...)`);
+the app's default, `ServedTransport`, is httpx's own transport in-process and this one once
+served.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import aiohttp
 import httpx
 from yarl import URL
 
+from proxy import wire
 from proxy.egress import proxy_mounts
 from proxy.settings import UpstreamSettings
 
@@ -235,6 +241,19 @@ def _headers_as_httpx_sends(
     return auto + raw
 
 
+def _on_the_wire(
+    method: str, url: httpx.URL, headers: list[tuple[bytes, bytes]], content: bytes | None
+) -> list[bytes] | None:
+    """The request's bytes when `proxy.wire` carries it (a body of known length, or none, to
+    a plain-http upstream, not a HEAD; see there), else None: aiohttp's."""
+    method = method.upper()
+    if method == "HEAD" or url.scheme != "http":
+        return None
+    if any(name.lower() == b"transfer-encoding" for name, _ in headers):
+        return None
+    return wire.request_bytes(method, url, headers, content)
+
+
 def _buffered(reader: aiohttp.StreamReader) -> bytes:
     """Bytes received but not yet read, without the stored-exception check (private API)."""
     read_nowait = getattr(reader, "_read_nowait", None)
@@ -264,6 +283,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         self._slots: _Slots | None = None
         self._fallback: httpx.AsyncHTTPTransport | None = None
         self._timeouts: dict[tuple[Any, ...], aiohttp.ClientTimeout] = {}
+        self._wire = self._new_wire_pool()
+
+    def _new_wire_pool(self) -> wire.WirePool:
+        return wire.WirePool(self._limits.keepalive_expiry, self._limits.max_keepalive_connections)
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -315,10 +338,15 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         the pool, as a finished request would: the first request then skips the handshake.
         Not one byte of HTTP is written. Raises httpx's errors (ConnectError, ConnectTimeout).
 
-        aiohttp has no call for this beyond `BaseConnector.connect` with a `ClientRequest`
-        (both exported; the request is only read for its connection key: host, port, TLS,
-        proxy), the same call its session makes before it writes a request."""
+        A plain-http URL's connection is `proxy.wire`'s, which carries its requests. For
+        https, aiohttp has no call beyond `BaseConnector.connect` with a `ClientRequest` (both
+        exported; the request is only read for its connection key: host, port, TLS, proxy),
+        the same call its session makes before it writes a request."""
         self.warm()
+        if url.scheme == "http":
+            idle = await self._wire.connect((url.host, url.port or 80), timeout_s)
+            self._wire.put(idle)
+            return
         session = self._session_here()
         connector = session.connector
         if connector is None:
@@ -338,6 +366,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             if self._session is not None:
                 _retire(self._session)
                 self._session = None
+            self._wire.close()
+            self._wire = self._new_wire_pool()
             self._slots = _Slots(self._limits.max_connections or 1 << 30)
             self._loop = loop
         return self._slots
@@ -353,6 +383,12 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         await slots.acquire(timeouts.get("pool"))
         try:
+            if isinstance(request.stream, httpx.ByteStream):
+                wired = _on_the_wire(
+                    request.method, request.url, request.headers.raw, request.content
+                )
+                if wired is not None:
+                    return await wire.send(self._wire, request.url, wired, timeouts, slots.release)
             headers = _headers_for_aiohttp(request.headers.raw)
             if headers is None:
                 return await self._send_fallback(request, slots)
@@ -387,14 +423,18 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         (with `timeouts` as its timeout extension) without building the httpx.Request: the
         same header bytes go out in the same order and the same errors come back."""
         raw = _headers_as_httpx_sends(method, url, headers, content)
-        text = _headers_for_aiohttp(raw)
-        if text is None:  # not UTF-8: httpx's own transport writes the bytes as given
+        data = _on_the_wire(method, url, raw, content)
+        text = None if data is not None else _headers_for_aiohttp(raw)
+        if data is None and text is None:  # not UTF-8: httpx's transport writes bytes as given
             request = httpx.Request(method, url, headers=raw, content=content)
             request.extensions["timeout"] = timeouts
             return await self.handle_async_request(request)
         slots = self._bind_loop(asyncio.get_running_loop())
         await slots.acquire(timeouts.get("pool"))
         try:
+            if data is not None:
+                return await wire.send(self._wire, url, data, timeouts, slots.release)
+            assert text is not None
             return await self._send(
                 self._session_here(),
                 method.upper(),
@@ -453,6 +493,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         )
 
     async def aclose(self) -> None:
+        self._wire.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -537,16 +578,19 @@ def direct_transport(client: httpx.AsyncClient, url: httpx.URL) -> UpstreamTrans
 
 
 def read_whole(response: httpx.Response) -> Coroutine[Any, Any, bytes] | None:
-    """Reading `response`'s raw body to the end, straight from aiohttp (None: another
+    """Reading `response`'s raw body to the end, straight from the wire (None: another
     transport's response; iterate `aiter_raw()`). Any failure is httpx's, as when iterating."""
     stream = response.stream
-    return stream.read() if isinstance(stream, _ResponseStream) else None
+    return stream.read() if isinstance(stream, _DIRECT_STREAMS) else None
 
 
 def closes_at_once(response: httpx.Response) -> bool:
-    """Closing `response` cannot suspend (an aiohttp response sent directly, see send_bytes):
+    """Closing `response` cannot suspend (a response of this transport's own, not httpx's):
     no cancellation can land in the middle of it, so it needs no shield."""
-    return isinstance(response.stream, _ResponseStream)
+    return isinstance(response.stream, _DIRECT_STREAMS)
+
+
+_DIRECT_STREAMS = (_ResponseStream, wire.WireStream)
 
 
 def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:

@@ -133,7 +133,7 @@ class Upstream:
             url = self._url(path, query)
             direct = direct_transport(self.client, url)
             if direct is not None and not isinstance(content, AsyncIterator):
-                # Served over aiohttp: the same request without httpx building and sending it.
+                # Served: the same request without httpx building and sending it.
                 raw = as_bytes(headers)
                 try:
                     return await direct.send_bytes(method, url, raw, content, self._timeouts)
@@ -229,7 +229,7 @@ class Upstream:
             if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
                 return upstream.content
             whole = read_whole(upstream)
-            if whole is not None:  # the aiohttp stream reads to the end itself
+            if whole is not None:  # the served stream reads to the end itself
                 return await whole
             return b"".join([chunk async for chunk in upstream.aiter_raw()])
 

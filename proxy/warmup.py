@@ -194,7 +194,7 @@ async def _serve_protocol(
 
 async def preconnect(state: ProxyState, wait_s: float) -> asyncio.Task[None] | None:
     """One connection to the upstream opened now and left idle in the pool (see the module
-    docstring), when the upstream is reached directly over the served aiohttp pool (not
+    docstring), when the upstream is reached directly over the served pool (not
     through an egress proxy's mount, see proxy.egress: then nothing is opened). Waits up to
     `wait_s`: a slow or absent upstream delays the start by no more than that, and a failure
     is one DEBUG line (the first request then connects, and fails, as it would have). The

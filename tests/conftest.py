@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import respx
+import uvloop
 from hypothesis import HealthCheck, settings
 
 from proxy.tokens import encodings
@@ -58,6 +59,20 @@ from proxy.settings import Settings  # noqa: E402
 pytest_plugins = ["proxy.testing.plugin"]
 
 UPSTREAM = "http://upstream.test/v1"
+
+# Event loops a test module can ask for with `LOOPS = (...)` (default: asyncio's only).
+# uvloop is the loop `serve` runs, and its transports differ from asyncio's.
+_LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    names = getattr(getattr(item, "module", None), "LOOPS", ("asyncio",))
+    return {name: _LOOP_FACTORIES[name] for name in names}
 
 
 def make_settings(**sections: Any) -> Settings:

@@ -27,6 +27,8 @@ from tests.fault_upstream import (
     read_one_reply,
 )
 
+LOOPS = ("asyncio", "uvloop")  # the served proxy runs on uvloop
+
 
 @pytest.fixture(autouse=True)
 def no_secret_in_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:

@@ -29,6 +29,8 @@ from proxy.transport import (
     upstream_limits,
 )
 
+LOOPS = ("asyncio", "uvloop")  # the served proxy runs on uvloop
+
 Scope = dict[str, Any]
 Receive = Any
 Send = Any
