@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from proxy.quota.ledger import Charge, LimitArgs, UsageRow, decide, oldest_kept_day
+from proxy.quota.ledger import Charge, LimitArgs, UsageRow, decide, new_charge, oldest_kept_day
 from proxy.quota.windows import Windows, windows_at
 
 
@@ -14,13 +14,15 @@ class _Counters:
 
     One object per key, so a charge is one dict lookup and a few attribute reads."""
 
-    __slots__ = ("day", "minute", "month", "rpm", "spend_d", "spend_m", "tpd", "tpm")
+    __slots__ = ("day", "minute", "month", "rpm", "seen", "spend_d", "spend_m", "tpd", "tpm")
 
     def __init__(self) -> None:
         self.minute = self.day = self.month = ""
         self.rpm = self.tpm = self.tpd = self.spend_d = self.spend_m = 0
+        self.seen: Windows | None = None  # the last windows rolled to (one tuple a second)
 
     def roll(self, w: Windows) -> None:
+        self.seen = w
         if self.minute != w.minute:
             self.minute, self.rpm, self.tpm = w.minute, 0, 0
         if self.day != w.day:
@@ -43,14 +45,14 @@ class MemoryLedger:
         c = self._counters.get(key_id)
         if c is None:
             c = self._counters[key_id] = _Counters()
-        if c.minute != w.minute or c.day != w.day or c.month != w.month:
+        if c.seen is not w:
             c.roll(w)
         denied = decide(limits, tokens, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
         if denied is None:
             c.rpm += 1
             c.tpm += tokens
             c.tpd += tokens
-        return Charge(denied, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
+        return new_charge((denied, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m))
 
     async def record(
         self,
@@ -83,11 +85,11 @@ class MemoryLedger:
         if w.day == c.day:
             c.spend_d += cost
         elif w.day > c.day:
-            c.day, c.tpd, c.spend_d = w.day, 0, cost
+            c.day, c.tpd, c.spend_d, c.seen = w.day, 0, cost, None
         if w.month == c.month:
             c.spend_m += cost
         elif w.month > c.month:
-            c.month, c.spend_m = w.month, cost
+            c.month, c.spend_m, c.seen = w.month, cost, None
 
     async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
         wanted = None if key_ids is None else set(key_ids)

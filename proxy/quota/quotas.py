@@ -18,7 +18,7 @@ from proxy.auth.keys import ProxyKey
 from proxy.errors import ProxyError
 from proxy.headers import RawHeaders
 from proxy.quota.ledger import NANO, Charge, Ledger, LedgerUnavailable, LimitArgs
-from proxy.quota.windows import Windows, duration_text, windows_at
+from proxy.quota.windows import Windows, duration_text, whole_second, windows_at
 from proxy.store.protocol import RateLimitedLog
 
 log = logging.getLogger("proxy.quota")
@@ -70,9 +70,14 @@ class Quotas:
         """
         if key is None or not key.limits.any:
             return []
-        quota = self._quota_of(key)
+        quota = self._quotas.get(key.id)
+        if quota is None or quota.key is not key:
+            quota = self._quota_of(key)
         limits = quota.limits
-        w = windows_at(self.clock())
+        now = self.clock()
+        # The ledger reads only the window names: the whole second's windows (one tuple a
+        # second); the exact resets are worked out where a header needs them.
+        w = whole_second(now)
         try:
             charge = await self.ledger.charge(key.id, limits, tokens, w)
         except LedgerUnavailable as exc:
@@ -93,10 +98,11 @@ class Quotas:
                 headers={"retry-after": "1"},
             ) from None
         if charge.denied is None:
-            return quota.reply_headers(charge, w)
+            return quota.reply_headers(charge, now)
         self.rejected += 1
-        headers = rate_limit_headers(limits, charge, w)
-        raise _denial(key, limits, charge, tokens, w, headers)
+        exact = windows_at(now)
+        headers = rate_limit_headers(limits, charge, exact)
+        raise _denial(key, limits, charge, tokens, exact, headers)
 
 
 # OpenAI's names: x-ratelimit-{limit,remaining,reset}-{requests,tokens}.
@@ -111,47 +117,73 @@ _REPLY_NAMES = tuple(f"x-compaction-{name[2:]}" for name in _NAMES)
 _RAW_REPLY_NAMES = tuple(name.encode() for name in _REPLY_NAMES)
 
 
-class _KeyQuota:
-    """One key's limits as the ledger takes them, with the bytes of its reply headers that
-    only change when the key does (the limits); per reply only what remains and the reset
-    times are written."""
+# A whole-second reset text ("42s") holds for the rest of its second up to here (past it,
+# `duration_text` may round to the next second down; kept clear of float error).
+_TEXTS_HOLD_S = 0.998
 
-    __slots__ = ("key", "limits", "requests", "tokens", "tokens_per_minute")
+
+class _KeyQuota:
+    """One key's limits as the ledger takes them, and its reply headers as wire bytes: the
+    names and limits made once per key, the reset texts once per second, so a reply only
+    writes what remains."""
+
+    __slots__ = ("_second", "_template", "key", "limits", "requests", "tokens", "tokens_at")
 
     def __init__(self, key: ProxyKey) -> None:
         self.key = key
         limits = self.limits = LimitArgs.of(key.limits)
         self.requests = b"%d" % limits.requests
-        self.tokens_per_minute = bool(limits.tokens_minute)
         self.tokens = b"%d" % (limits.tokens_minute or limits.tokens_day)
+        # Where the token headers start in a reply's list (-1: no token limit shown).
+        self.tokens_at = -1
+        if limits.tokens_minute or limits.tokens_day:
+            self.tokens_at = 3 if limits.requests else 0
+        self._second = -1  # the second `_template` holds for
+        self._template: RawHeaders = []
 
-    def reply_headers(self, charge: Charge, w: Windows) -> RawHeaders:
-        """`rate_limit_headers(limits, charge, w, _REPLY_NAMES)`, as wire bytes."""
+    def reply_headers(self, charge: Charge, now: float) -> RawHeaders:
+        """`rate_limit_headers(limits, charge, windows_at(now), _REPLY_NAMES)`, as wire bytes."""
+        second = int(now)
+        if second == self._second and now - second < _TEXTS_HOLD_S:
+            headers = self._template.copy()
+        else:
+            headers = self._fixed(now)
+        limits = self.limits
+        if limits.requests:
+            remaining = limits.requests - charge.requests
+            headers[1] = (_RAW_REPLY_NAMES[1], b"%d" % (remaining if remaining > 0 else 0))
+        at = self.tokens_at
+        if at >= 0:
+            if limits.tokens_minute:
+                remaining = limits.tokens_minute - charge.tokens_minute
+            else:
+                remaining = limits.tokens_day - charge.tokens_day
+            headers[at + 1] = (_RAW_REPLY_NAMES[4], b"%d" % (remaining if remaining > 0 else 0))
+        return headers
+
+    def _fixed(self, now: float) -> RawHeaders:
+        """The reply headers at `now` with what remains left blank; kept as the template of
+        the rest of this second when its reset texts hold that long."""
         limits = self.limits
         names = _RAW_REPLY_NAMES
+        w = windows_at(now)
         headers: RawHeaders = []
         minute_reset = b""
         if limits.requests:
             minute_reset = duration_text(w.minute_reset_s).encode()
-            remaining = limits.requests - charge.requests
-            headers += (
-                (names[0], self.requests),
-                (names[1], b"%d" % (remaining if remaining > 0 else 0)),
-                (names[2], minute_reset),
-            )
-        if self.tokens_per_minute:
-            remaining = limits.tokens_minute - charge.tokens_minute
-            reset = minute_reset or duration_text(w.minute_reset_s).encode()
-        elif limits.tokens_day:
-            remaining = limits.tokens_day - charge.tokens_day
-            reset = duration_text(w.day_reset_s).encode()
-        else:
-            return headers
-        headers += (
-            (names[3], self.tokens),
-            (names[4], b"%d" % (remaining if remaining > 0 else 0)),
-            (names[5], reset),
-        )
+            headers += ((names[0], self.requests), (names[1], b""), (names[2], minute_reset))
+        if self.tokens_at >= 0:
+            if limits.tokens_minute:
+                reset = minute_reset or duration_text(w.minute_reset_s).encode()
+            else:
+                reset = duration_text(w.day_reset_s).encode()
+            headers += ((names[3], self.tokens), (names[4], b""), (names[5], reset))
+        second = int(now)
+        base = whole_second(now)
+        if now - second < _TEXTS_HOLD_S and min(base.minute_reset_s, base.day_reset_s) >= 2:
+            self._second, self._template = second, headers
+            return headers.copy()
+        self._second = -1  # under a second to a reset: its text is in ms, made per reply
         return headers
 
 

@@ -26,16 +26,11 @@ _memo: tuple[int, Windows] | None = None
 
 
 def windows_at(now: float) -> Windows:
-    """Windows at `now`; the calendar part is computed once per second (hot path)."""
-    global _memo
-    second = int(now)
-    memo = _memo
-    if memo is None or memo[0] != second:
-        memo = _memo = (second, _windows_at(float(second)))
-    base = memo[1]
-    if now == second:
+    """Windows at `now` (the resets to the fraction of a second)."""
+    base = whole_second(now)
+    frac = now - int(now)
+    if not frac:
         return base
-    frac = now - second
     return Windows(
         base.minute,
         base.day,
@@ -44,6 +39,18 @@ def windows_at(now: float) -> Windows:
         base.day_reset_s - frac,
         base.month_reset_s - frac,
     )
+
+
+def whole_second(now: float) -> Windows:
+    """The windows at the start of the whole second `now` falls in: the same window names as
+    `windows_at(now)`, the resets in whole seconds. One tuple per second, memoised (a charge
+    needs only the names; the calendar part runs once a second)."""
+    global _memo
+    second = int(now)
+    memo = _memo
+    if memo is None or memo[0] != second:
+        memo = _memo = (second, _windows_at(float(second)))
+    return memo[1]
 
 
 def _windows_at(now: float) -> Windows:

@@ -601,9 +601,54 @@ async def test_reply_quota_headers_are_the_429s_under_the_compaction_names(
         }
     # A key over its limits (they were lowered by a reload): nothing negative is shown.
     over = (await charge_of("k", LimitArgs.of(Limits()), 10**6, w))._replace(requests=10**6)
-    shown = quotas._quota_of(key).reply_headers(over, w)
+    shown = quotas._quota_of(key).reply_headers(over, now)
     assert all(not value.startswith(b"-") for _, value in shown)
     assert (b"x-compaction-ratelimit-remaining-requests", b"0") in shown or not limits.requests
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"requests_per_minute": 100, "prompt_tokens_per_minute": 10_000},
+        {"prompt_tokens_per_day": 10_000},
+    ],
+)
+async def test_reply_quota_headers_stay_exact_as_the_clock_moves_through_seconds(
+    policy: dict[str, Any],
+) -> None:
+    """Reset texts are kept for the rest of a second: every reply still says what
+    `rate_limit_headers` says at its own time, the last instants of a second, of a minute
+    (reset in ms) and of a day included."""
+    from proxy.auth.keys import Limits, ProxyKey
+    from proxy.headers import as_text
+    from proxy.quota import MemoryLedger, Quotas
+    from proxy.quota.quotas import rate_limit_headers
+
+    ledger = MemoryLedger()
+    seen: list[Any] = []
+    charge_of = ledger.charge
+
+    async def charge(*args: Any) -> Any:
+        seen.append(await charge_of(*args))
+        return seen[-1]
+
+    ledger.charge = charge  # type: ignore[method-assign]
+    now = 1_800_000_030.0
+    quotas = Quotas(ledger, clock=lambda: now)
+    key = ProxyKey("k", b"", limits=Limits(**policy))
+    limits = LimitArgs.of(key.limits)
+    midnight = 1_800_057_600.0  # a UTC midnight
+    times = [30.0, 30.1, 30.5, 30.9979, 30.9985, 30.9999, 31.0, 31.2, 58.0, 58.9, 59.0, 59.25]
+    times += [59.75, 59.9995, 60.0, 60.3]
+    times = [1_800_000_000.0 + t for t in times]
+    times += [midnight - 2.5, midnight - 1.5, midnight - 1.0, midnight - 0.4, midnight + 0.2]
+    for at in times:
+        now = at
+        raw = await quotas.charge(key, 7)
+        expected = rate_limit_headers(limits, seen[-1], windows_at(at))
+        assert dict(as_text(raw)) == {
+            f"x-compaction-{name[2:]}": value for name, value in expected.items()
+        }, at
 
 
 def test_the_charge_command_is_the_packed_evalsha_and_its_reply_parses_as_any_other() -> None:
