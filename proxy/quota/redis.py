@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -40,7 +41,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.typing import ScriptTextT
 
-from proxy.quota.ledger import Charge, Denial, LedgerUnavailable, LimitArgs, UsageRow, days_between
+from proxy.quota.ledger import (
+    Charge,
+    Denial,
+    LedgerUnavailable,
+    LimitArgs,
+    UsageRow,
+    days_between,
+    new_charge,
+)
 from proxy.quota.resp import ChargeLine, pack
 from proxy.quota.windows import Windows, windows_at
 from proxy.store.connect import RedisClient
@@ -173,6 +182,9 @@ class RedisLedger:
         self._senders: set[asyncio.Task[None]] = set()
         # key id -> (windows, limits, the packed pieces of its charge command)
         self._commands: dict[str, tuple[Any, ...]] = {}
+        # Charge ids: random per ledger, then counted (unique without a syscall per charge).
+        self._id_prefix = os.urandom(12).hex()
+        self._ids = itertools.count()
 
     def key(self, key_id: str, *parts: str) -> str:
         return ":".join([f"{self.prefix}{{{key_id}}}", *parts])
@@ -204,9 +216,10 @@ class RedisLedger:
         """`charge_id`: the same for every resend of one request's charge (made here if
         None); a second charge with an id already seen returns the first one's result."""
         if self.line is not None:
-            cid = charge_id or os.urandom(16).hex()
+            cid = charge_id or f"{self._id_prefix}{next(self._ids):x}"
             result = await self._line_charge(self._command(key_id, limits, w, tokens, cid))
-            return Charge(_denial(result[0]), *map(int, result[1:]))
+            # The line reads the script's counts as integers already.
+            return new_charge((_denial(result[0]), *result[1:]))
         keys = [
             self.key(key_id, "rpm", w.minute),
             self.key(key_id, "tpm", w.minute),
@@ -229,12 +242,15 @@ class RedisLedger:
     def _command(self, key_id: str, limits: LimitArgs, w: Windows, tokens: int, cid: str) -> bytes:
         """The packed EVALSHA: what changes per charge (its id, its tokens) spliced into the
         bytes of the rest, packed once per key, limits and windows (a minute at most)."""
-        windows = (w.minute, w.day, w.month)
         found = self._commands.get(key_id)
-        if found is None or found[0] != windows or (found[1] is not limits and found[1] != limits):
+        if (
+            found is None
+            or (found[0] is not w and found[0][:3] != w[:3])  # another minute, day or month
+            or (found[1] is not limits and found[1] != limits)
+        ):
             if len(self._commands) > 100_000:  # ids from many reloads: start over
                 self._commands.clear()
-            found = self._commands[key_id] = (windows, limits, *self._pieces(key_id, limits, w))
+            found = self._commands[key_id] = (w, limits, *self._pieces(key_id, limits, w))
         _, _, head, charge_key, middle, tail = found
         cid_bytes = cid.encode()
         tokens_bytes = b"%d" % tokens
@@ -272,7 +288,10 @@ class RedisLedger:
             raise LedgerUnavailable(self.last_error or "redis unavailable")
         try:
             try:
-                return cast(list[Any], await _resent(lambda: line.call(command)))
+                try:
+                    return cast(list[Any], await line.call(command))
+                except RedisConnectionError:  # once more, as `_resent` does
+                    return cast(list[Any], await line.call(command))
             except NoScriptError:  # Redis's script cache was flushed: load it, resend once
                 script = self._charge.script
                 text = script if isinstance(script, str | bytes) else bytes(script)

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import re
 import socket
+from collections.abc import Awaitable
 from typing import Any
 
 from redis.asyncio import Redis
@@ -166,25 +167,29 @@ class ChargeLine:
             script=script,
         )
 
-    async def call(self, command: bytes) -> Any:
+    def call(self, command: bytes) -> Awaitable[Any]:
         """Send one packed command (at once on an idle line, else with the others held until
-        the next reply); its reply.
+        the next reply); its reply, to await.
 
         A Redis error reply is raised (ResponseError, NoScriptError); a lost connection or a
-        timeout raise RedisConnectionError / TimeoutError."""
+        timeout raise RedisConnectionError / TimeoutError. On an open line this is the
+        reply's own future: no coroutine in between."""
         if self._transport is None or self._loop is not asyncio.get_running_loop():
-            if self._transport is not None:  # opened in another event loop (test clients)
-                self._drop(RedisConnectionError("event loop changed"))
-            await self._connect()
-        reply = await self._send(command)
-        if isinstance(reply, ResponseError):
-            raise reply
-        return reply
+            return self._connect_and_send(command)
+        return self._send(command)
+
+    async def _connect_and_send(self, command: bytes) -> Any:
+        if self._transport is not None:  # opened in another event loop (test clients)
+            self._drop(RedisConnectionError("event loop changed"))
+        await self._connect()
+        return await self._send(command)
 
     def _send(self, command: bytes) -> asyncio.Future[Any]:
         """Written at once when nothing is in flight; else held until a reply comes back, and
-        then everything held goes out in one write."""
-        loop = asyncio.get_running_loop()
+        then everything held goes out in one write. The future holds the reply, or raises a
+        Redis error reply."""
+        loop = self._loop
+        assert loop is not None  # set when the line opened
         future: asyncio.Future[Any] = loop.create_future()
         idle = len(self._pending) == len(self._out)  # every command sent has its reply
         self._pending.append((future, loop.time()))
@@ -223,7 +228,11 @@ class ChargeLine:
             while pos < len(buf) and pending:
                 reply, pos = parse(buf, pos)
                 future = pending.popleft()[0]
-                if not future.done():
+                if future.done():
+                    continue
+                if isinstance(reply, ResponseError):
+                    future.set_exception(reply)
+                else:
                     future.set_result(reply)
         except _Incomplete:
             pass
@@ -296,9 +305,7 @@ class ChargeLine:
             if self.script:
                 setup.append(pack("SCRIPT", "LOAD", self.script))
             try:
-                for reply in await asyncio.gather(*(self._send(cmd) for cmd in setup)):
-                    if isinstance(reply, ResponseError):
-                        raise reply
+                await asyncio.gather(*(self._send(cmd) for cmd in setup))  # raises an error reply
             except BaseException:
                 self._drop(RedisConnectionError("Redis refused the connection setup"))
                 raise
