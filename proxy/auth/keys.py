@@ -180,11 +180,14 @@ def build_ring(
 def presented_key(headers: Iterable[tuple[str, str]]) -> str | None:
     """The key a client presents: `Authorization: Bearer <key>` or Azure-style `api-key`."""
     for name, value in headers:
-        lower = name.lower()
-        if lower == "authorization":
+        size = len(name)  # only names of the right length are lower-cased and compared
+        if size == 13 and name.lower() == "authorization":
             scheme, _, token = value.strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-        elif lower == "api-key" and value.strip():
-            return value.strip()
+            token = token.strip()
+            if token and scheme.lower() == "bearer":
+                return token
+        elif size == 7 and name.lower() == "api-key":
+            value = value.strip()
+            if value:
+                return value
     return None

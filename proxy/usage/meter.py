@@ -280,16 +280,31 @@ class Meter:
             )  # fmt: skip
 
 
-# A JSON reply up to this size is parsed whole (orjson: faster than reading its end in
-# Python); a larger one has its `usage` read from its end (`usage_of_body`).
+# A JSON reply up to this size is parsed by orjson (faster than reading its end in Python); a
+# larger one has its `usage` read from its end (`usage_of_body`).
 WHOLE_PARSE_BYTES = 4096
 
 
 def whole_usage(body: bytes, headers: httpx.Headers) -> ReportedUsage | None:
-    """The `usage` of a reply read whole: what `usage_of_body` finds, sooner for small ones."""
-    encoding = headers.get("content-encoding", "")
+    """The `usage` of a reply read whole: what `usage_of_body` finds, sooner for small ones.
+
+    A small reply's top-level `usage` is its last `"usage"` key when `{` followed by the
+    bytes from that key on is one JSON object, which orjson checks while it reads only that
+    tail (not the choices before it): a `"usage"` nested deeper leaves brackets to close
+    over and does not parse, nor does one that is a value; one right after a backslash may
+    be inside a string, so the whole reply is parsed then, as it is when the tail fails.
+    """
+    encoding = content_encoding(headers)
     if encoding or len(body) > WHOLE_PARSE_BYTES:
         return usage_of_body(body, encoding)
+    at = body.rfind(b'"usage"')
+    if at > 0 and body[at - 1] != 0x5C:  # backslash
+        try:
+            tail = orjson.loads(b"{" + body[at:])
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            return ReportedUsage.parse(tail.get("usage"))
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:  # orjson refuses what json may read (NaN, lone surrogates)
@@ -297,6 +312,15 @@ def whole_usage(body: bytes, headers: httpx.Headers) -> ReportedUsage | None:
     # Counts past 64 bits come back as floats, which `parse` refuses: estimated, as no
     # ledger could add them anyway.
     return ReportedUsage.parse(data.get("usage")) if type(data) is dict else None
+
+
+def content_encoding(headers: httpx.Headers) -> str:
+    """`headers.get("content-encoding", "")` read off the raw pairs: `Headers.get` raises and
+    catches a KeyError for the usual reply, which has none."""
+    values = [value for name, value in headers.raw if name.lower() == b"content-encoding"]
+    if not values:
+        return ""
+    return ", ".join(value.decode(headers.encoding) for value in values)
 
 
 class ChatTap:

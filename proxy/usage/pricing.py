@@ -23,7 +23,10 @@ class Price:
     output: float
 
     def cost_usd(self, prompt: int, cached: int, completion: int) -> float:
-        cached = min(max(cached, 0), prompt)
+        if cached < 0:  # min(max(cached, 0), prompt), without two builtin calls per reply
+            cached = 0
+        if cached > prompt:
+            cached = prompt
         return (
             (prompt - cached) * self.input + cached * self.cached_input + completion * self.output
         ) / 1_000_000
@@ -59,6 +62,9 @@ def _specificity(pattern: str) -> tuple[bool, int]:
     return (literal, len(pattern.rstrip("*?")))
 
 
+_UNSEEN = Price(0.0, 0.0, 0.0)  # a model not looked up yet (None: looked up, unpriced)
+
+
 class Pricing:
     """Model name -> Price, memoised per name (the table is fixed for the app's life)."""
 
@@ -70,8 +76,9 @@ class Pricing:
         self._memo: dict[str, Price | None] = {}
 
     def price_of(self, model: str) -> Price | None:
-        if model in self._memo:
-            return self._memo[model]
+        found = self._memo.get(model, _UNSEEN)
+        if found is not _UNSEEN:
+            return found
         name = model.rsplit("/", 1)[-1]  # "openai/gpt-4o" prices as gpt-4o
         found = next((p for pat, p in self._table if fnmatchcase(name, pat)), None)
         if len(self._memo) < 10_000:

@@ -53,7 +53,10 @@ class ReportedUsage(NamedTuple):
         if details is None:
             details = usage.get("input_tokens_details")
         cached = details.get("cached_tokens") if type(details) is dict else None
-        return cls(prompt, completion, cached if type(cached) is int and cached > 0 else 0)
+        # Made by the tuple type itself: a NamedTuple's constructor is a Python call more.
+        return tuple.__new__(
+            cls, (prompt, completion, cached if type(cached) is int and cached > 0 else 0)
+        )
 
 
 def usage_of_body(body: bytes, content_encoding: str = "") -> ReportedUsage | None:

@@ -410,6 +410,50 @@ def test_usage_read_from_the_end_is_the_top_level_one_or_none() -> None:
     assert trailing_usage(plain[plain.index(b'"usage"') - 5 :]) == (9, 4, 2)
 
 
+def test_usage_of_a_small_reply_read_whole_is_its_top_level_usage_or_none() -> None:
+    """Read from its tail when that proves top-level, else parsed whole: the answer is what a
+    whole parse finds (orjson's: counts past 64 bits read as floats, so refused), for replies
+    shaped to fool a reader of the tail."""
+    import orjson
+
+    from proxy.usage.meter import whole_usage
+    from proxy.usage.tap import ReportedUsage
+
+    usage = {"prompt_tokens": 9, "completion_tokens": 4}
+    usage["prompt_tokens_details"] = {"cached_tokens": 2}
+    other = {"prompt_tokens": 1, "completion_tokens": 1}
+    assert ReportedUsage.parse(other) == (1, 1, 0)
+    bodies = [
+        big_reply("hi", usage),
+        big_reply("hi", usage, system_fingerprint="fp", service_tier="default"),
+        big_reply('{"usage": {"prompt_tokens": 1, "completion_tokens": 1}}', usage),
+        big_reply("hi", usage, metadata={"usage": other}),
+        big_reply("hi", usage, logs=[{"usage": other}]),
+        big_reply("hi", usage, kind="usage"),
+        {"a": 'x"usage', "b": other},
+        {'x"usage': other},
+        {"usage": other, 'x\\"usage': 5},
+        {"usage": usage, "usage2": other},
+        big_reply("hi", {"prompt_tokens": "9", "completion_tokens": 4}),
+        big_reply("hi", {"prompt_tokens": 2**70, "completion_tokens": 4}),
+        {"id": "c", "usage": None},
+        {"id": "c"},
+        [{"usage": usage}],
+    ]
+    headers = httpx.Headers({"content-type": "application/json"})
+    for data in bodies:
+        for body in (json.dumps(data).encode(), json.dumps(data, separators=(",", ":")).encode()):
+            whole = orjson.loads(body)
+            expected = ReportedUsage.parse(whole.get("usage")) if type(whole) is dict else None
+            assert whole_usage(body, headers) == expected, body
+    # Not JSON as a whole, yet its end is a reply's end: read from there, as for big replies.
+    nan = b'{"a": NaN, "usage": {"prompt_tokens": 3, "completion_tokens": 1}}'
+    assert whole_usage(nan, headers) == (3, 1, 0)
+    gzipped = gzip.compress(json.dumps(big_reply("hi", usage)).encode())
+    assert whole_usage(gzipped, httpx.Headers({"content-encoding": "gzip"})) == (9, 4, 2)
+    assert whole_usage(gzipped, headers) is None
+
+
 # Whole replies in one chunk (a short reply arrives at once): the usage event is found from
 # its key; streams shaped unlike OpenAI's must give what they give split byte by byte.
 _USAGE_ONLY = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}'
