@@ -57,8 +57,9 @@ class BodyTap(Protocol):
 class ReplyTap(Protocol):
     """Reads a reply as it is relayed (usage accounting), changing nothing unless it says so."""
 
-    def whole(self, status: int, headers: httpx.Headers, body: bytes) -> Mapping[str, str]:
-        """A reply read whole (`body` as relayed, still content-encoded); headers to add."""
+    def whole(self, status: int, headers: httpx.Headers, body: bytes) -> RawHeaders:
+        """A reply read whole (`body` as relayed, still content-encoded); headers to add, as
+        wire bytes with lower-case names."""
         ...
 
     def body(self, status: int, headers: httpx.Headers, streaming: bool) -> BodyTap | None:
@@ -236,7 +237,7 @@ class Upstream:
         try:
             body = await (read() if watch is None else watch.run(read))
             if tap is not None:
-                extra.update(tap.whole(upstream.status_code, upstream.headers, body))
+                raw_extra = [*tap.whole(upstream.status_code, upstream.headers, body), *raw_extra]
             raw_headers = _client_headers(upstream, extra, raw_extra)
         except ClientDisconnected:
             log.info("client disconnected while the upstream %s sent its reply", self.host)

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import add
 from typing import Any
@@ -44,6 +44,7 @@ import httpx
 import orjson
 
 from proxy import jsonbytes
+from proxy.headers import RawHeaders
 from proxy.quota.ledger import NANO, USAGE_FIELDS, Ledger, LedgerUnavailable
 from proxy.quota.windows import day_of
 from proxy.report import Outcome
@@ -55,6 +56,7 @@ from proxy.usage.tap import BodyTail, ReportedUsage, StreamTap, usage_of_body
 log = logging.getLogger("proxy.usage")
 
 COST_HEADER = "x-compaction-cost-usd"
+_COST_HEADER_RAW = COST_HEADER.encode()
 FLUSH_S = 0.5
 # A held row is resent under its id only while the ledger surely still knows the id (the
 # Redis ledger keeps one for 60 s from its first write; 10 s spare for a slow send).
@@ -109,6 +111,7 @@ class Meter:
         self._flushing = asyncio.Lock()  # one flush at a time: each row is held once
         self._cap_warned = False  # one warning per outage when the cap drops rows
         self._monotonic = time.monotonic
+        self._day = (0.0, 0.0, "")  # [start, end) of the UTC day `add` last saw, and its date
 
     def with_stream_usage(
         self, body: dict[str, Any], raw: bytes
@@ -151,7 +154,11 @@ class Meter:
         """Add one reply's counts, in USAGE_FIELDS order, to the batch; the flusher writes it
         within `flush_s`. Summed into one list per key, model and day: no dict per reply."""
         now = self.clock()
-        entry = (key_id, model[:_MODEL_CHARS], day_of(now))
+        day = self._day
+        if not day[0] <= now < day[1]:
+            start = now - now % 86400
+            day = self._day = (start, start + 86400, day_of(now))
+        entry = (key_id, model[:_MODEL_CHARS], day[2])
         found = self._batch.get(entry)
         if found is None:
             self._batch[entry] = (now, values)
@@ -315,12 +322,9 @@ def whole_usage(body: bytes, headers: httpx.Headers) -> ReportedUsage | None:
 
 
 def content_encoding(headers: httpx.Headers) -> str:
-    """`headers.get("content-encoding", "")` read off the raw pairs: `Headers.get` raises and
-    catches a KeyError for the usual reply, which has none."""
-    values = [value for name, value in headers.raw if name.lower() == b"content-encoding"]
-    if not values:
-        return ""
-    return ", ".join(value.decode(headers.encoding) for value in values)
+    """`headers.get("content-encoding", "")` without the KeyError that `Headers.get` raises
+    and catches for the usual reply, which has none."""
+    return ", ".join(headers.get_list("content-encoding"))
 
 
 class ChatTap:
@@ -340,14 +344,14 @@ class ChatTap:
         self._stream: StreamTap | None = None
         self._tail: BodyTail | None = None
 
-    def whole(self, status: int, headers: httpx.Headers, body: bytes) -> Mapping[str, str]:
+    def whole(self, status: int, headers: httpx.Headers, body: bytes) -> RawHeaders:
         if status >= 400:
             self._finish(status, None, events=0)
-            return {}
+            return []
         cost, priced = self._finish(status, whole_usage(body, headers), events=0)
         if not priced:
-            return {}
-        return {COST_HEADER: f"{cost / NANO:.6f}"}
+            return []
+        return [(_COST_HEADER_RAW, b"%.6f" % (cost / NANO))]
 
     def body(
         self, status: int, headers: httpx.Headers, streaming: bool
@@ -389,16 +393,18 @@ class ChatTap:
                 prompt, cached, completion = after, 0, max(0, events - 1)
                 estimated = 1
             else:
-                prompt = reported.prompt_tokens
-                cached, completion = reported.cached_tokens, reported.completion_tokens
+                prompt, completion, cached = reported
             # Compaction off: nothing counted, what was sent is what was billed.
-            sent = prompt if before is None else before
-            saved = 0 if before is None else max(0, before - after)
+            if before is None:
+                sent, saved = prompt, 0
+            else:
+                sent, saved = before, (before - after if before > after else 0)
         else:
             prompt = cached = completion = sent = saved = estimated = 0
-        cost, priced = self.meter.cost_nano(self.model, outcome, prompt, cached, completion)
+        meter, model = self.meter, self.model
+        cost, priced = meter.cost_nano(model, outcome, prompt, cached, completion)
         # USAGE_FIELDS order.
-        self.meter.add(self.key_id, self.model, [
+        meter.add(self.key_id, model, [
             1, sent, prompt, cached, completion, summary.input_tokens, summary.output_tokens,
             saved, cost, estimated,
         ])  # fmt: skip
