@@ -515,3 +515,28 @@ async def test_a_stream_without_usage_is_estimated_from_its_events_in_any_chunks
         assert tap.usage is None
         # "data:" split across chunks is not counted (an estimate): at most the 3 events
         assert tap.events <= 3 and (cuts != [] or tap.events == 3)
+
+
+async def test_usage_on_either_side_of_midnight_goes_to_its_own_day() -> None:
+    """The meter keeps the current UTC day's bounds; a reply an instant past midnight opens the
+    next day's row, one an instant before stays in the day it ends."""
+    from proxy.quota import MemoryLedger
+    from proxy.settings import Settings
+    from proxy.usage.meter import Meter
+    from proxy.usage.pricing import Pricing
+
+    settings = Settings()
+    ledger = MemoryLedger()
+    midnight = 1_800_057_600.0  # a UTC midnight
+    now = [midnight - 86400.5]
+    meter = Meter(settings, ledger, Pricing(), clock=lambda: now[0])
+    for at in (midnight - 86400.5, midnight - 0.25, midnight - 1e-6, midnight, midnight + 0.5):
+        now[0] = at
+        meter.record("k", "m", {"requests": 1, "prompt_tokens_sent": int(at - midnight + 2)})
+    await meter.join()
+    rows = await ledger.usage(None, "2000-01-01", "2100-01-01")
+    assert [(row.day, row.counts["requests"]) for row in rows] == [
+        ("2027-01-14", 1),
+        ("2027-01-15", 2),
+        ("2027-01-16", 2),
+    ]
