@@ -75,6 +75,16 @@ def start_serve(
         time.sleep(0.05)
 
 
+def wait_for_started_workers(served: Served, workers: int) -> None:
+    """Bounded poll of stderr until `workers` processes have logged their start-up's end."""
+    deadline = time.monotonic() + START_S
+    while served.stderr.read_text().count("Application startup complete") < workers:
+        if served.process.poll() is not None or time.monotonic() > deadline:
+            stop(served)
+            pytest.fail(f"not all {workers} workers started: {served.stderr.read_text()}")
+        time.sleep(0.05)
+
+
 def stop(served: Served) -> None:
     served.process.terminate()
     try:
@@ -90,6 +100,9 @@ def two_workers(
 ) -> Iterator[Served]:
     served = start_serve(upstream_server[1], tmp_path, "--workers", "2")
     try:
+        # /readyz answered by one worker says nothing of the other, which may still be
+        # loading the tokenizer on a busy machine and would leave every request to the first.
+        wait_for_started_workers(served, 2)
         yield served
     finally:
         stop(served)
