@@ -57,6 +57,10 @@ class PromptCounter(Protocol):
 
     def count_message(self, model: str, message: Any, key: int | None = None) -> int: ...
 
+    def count_each(
+        self, model: str, messages: Sequence[Any], keys: Sequence[int | None] | None = None
+    ) -> list[int]: ...
+
     def count_messages(self, model: str, messages: list[Any]) -> int: ...
 
     def count_tools(self, model: str, body: dict[str, Any]) -> int: ...
@@ -80,6 +84,24 @@ class Control:
 def model_of(body: dict[str, Any]) -> str:
     model = body.get("model")
     return model if isinstance(model, str) else ""
+
+
+@dataclass(frozen=True)
+class MessageCounts:
+    """The tokens of one of a request's messages (`count`) or of many at once (`each`, one
+    memo lookup for all: the cut walks the recent tail with it)."""
+
+    counter: PromptCounter
+    model: str
+    spans: Spans | None  # the messages' own keys, when their bytes are known
+
+    def __call__(self, message: Message) -> int:
+        key = None if self.spans is None else self.spans.key_of(message)
+        return self.counter.count_message(self.model, message, key)
+
+    def each(self, messages: Sequence[Message]) -> list[int]:
+        keys = None if self.spans is None else self.spans.keys_for(messages)
+        return self.counter.count_each(self.model, messages, keys)
 
 
 @dataclass(frozen=True)
@@ -218,10 +240,7 @@ class Compactor:
         compaction = self.compaction_for(job.summarizer_model, job.strategy)
 
         spans = job.spans
-
-        def count_message(message: Message) -> int:
-            key = None if spans is None else spans.key_of(message)
-            return self.counter.count_message(job.model, message, key)
+        count_message = MessageCounts(self.counter, job.model, spans)
 
         async def count(messages: list[Message]) -> int:
             keys = None if spans is None else spans.keys_for(messages)

@@ -28,7 +28,7 @@ def test_a_composed_body_is_written_byte_for_byte_as_the_stdlib_writes_it(value:
 
 
 def test_every_control_and_escape_character_is_written_as_the_stdlib_writes_it() -> None:
-    text = "".join(map(chr, range(0x800))) + "\u2028\u2029\ufeff\U0001f600\"\\/"
+    text = "".join(map(chr, range(0x800))) + '\u2028\u2029\ufeff\U0001f600"\\/'
     body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 5}
     assert jsonbytes.cleaned(body) == stdlib(body)
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 import json
 import re
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from itertools import compress, repeat
-from operator import eq
 from typing import Any, Literal
 
 from cachetools import LRUCache
@@ -47,6 +46,7 @@ COUNTED_ROLES = frozenset({"user", "assistant"})
 # Only the start of a user message is matched against the injected patterns.
 _MATCH_CHARS = 400
 _SEEN_TEXTS = 4096  # injected-pattern answers remembered per rules (~2 MB at most)
+_TAIL_BLOCK = 16  # messages counted at once by the token cut's first step
 
 # Messages agents inject themselves when they cannot parse the model's reply.
 DEFAULT_INJECTED = (
@@ -145,7 +145,8 @@ def cut_history(
     while start < len(messages) and message_role(messages[start]) in PINNED_ROLES:
         start += 1
     nothing = CutPlan(start, start, None, (), (), False)
-    partner = partners(messages)
+    state = pairing_state(messages)
+    partner = state.partner
     latest = _count_cut(messages, start, rules, partner)
     if latest <= start:
         return nothing
@@ -153,9 +154,10 @@ def cut_history(
     if keep_tokens is not None:
         index = min(index, _token_cut(messages, start, keep_tokens, count, partner))
 
+    users = state.users[bisect_left(state.users, start) :]
     task, task_summarized, first = None, False, None
     if rules.task_max_tokens is not None:
-        first = next((i for i in range(start, len(messages)) if _is_user(messages[i])), None)
+        first = users[0] if users else None
         if first is not None:
             if count(messages[first]) <= rules.task_max_tokens:
                 task = first
@@ -163,7 +165,6 @@ def cut_history(
                 task_summarized = first < index
     asks: tuple[int, ...] = ()
     if rules.latest_user == "carry":
-        users = _users(messages, start)
         asks = tuple(
             i
             for i in users
@@ -176,16 +177,6 @@ def cut_history(
             later = tuple(s for s in stops if s > position)
             return CutPlan(start, position, task, asks, later, task_summarized)
     return nothing
-
-
-def _users(messages: Sequence[Message], start: int) -> list[int]:
-    """Positions of the user messages from `start` on; in C loops when all are dicts (this
-    runs over the whole history on every over-budget turn)."""
-    tail = messages[start:]
-    if set(map(type, tail)) <= {dict}:
-        roles = map(dict.get, tail, repeat("role"))
-        return list(compress(range(start, len(messages)), map(eq, roles, repeat("user"))))
-    return [i for i, m in enumerate(tail, start) if isinstance(m, dict) and m.get("role") == "user"]
 
 
 def _only_protected(start: int, end: int, task: int | None, asks: tuple[int, ...]) -> bool:
@@ -230,15 +221,26 @@ def _token_cut(
     count: CountMessage,
     partner: list[int],
 ) -> int:
-    """The earliest clean index whose tail fits in `keep_tokens` (walks the tail only)."""
+    """The earliest clean index whose tail fits in `keep_tokens` (walks the tail only).
+
+    A `count` with an `each` method (a list of counts for a list of messages) is asked for
+    blocks of the tail, from the end, each twice the last: a few lookups, not one a message.
+    """
     used = 0
     index = len(messages)
+    each = getattr(count, "each", None)
+    block = _TAIL_BLOCK
     while index > start:
-        tokens = count(messages[index - 1])
-        if used + tokens > keep_tokens:
+        first = max(start, index - block) if each is not None else index - 1
+        counts = each(messages[first:index]) if each is not None else [count(messages[first])]
+        for tokens in reversed(counts):
+            if used + tokens > keep_tokens:
+                break
+            used += tokens
+            index -= 1
+        if index > first:  # stopped inside the block
             break
-        used += tokens
-        index -= 1
+        block *= 2
     # Forward to a clean boundary: fewer tokens, never more.
     low = len(messages)
     clean = len(messages)
@@ -286,16 +288,21 @@ def partners(messages: Sequence[Message]) -> list[int]:
     holder's `pairing` (the body's spans, which a body extending it inherits) when it is for
     a prefix of these very messages, else from the memo by the messages' byte keys.
     """
+    return list(pairing_state(messages).partner)
+
+
+def pairing_state(messages: Sequence[Message]) -> _Pairing:
+    """What `partners` reads (not to be changed): the holder's, the memo's or a cold pass."""
     holder = _HOLDER.get()
     if holder is None or messages is not getattr(holder, "messages", None):
-        return list(_state_of(messages).partner)
+        return _state_of(messages)
     kept = holder.pairing
     if isinstance(kept, _Pairing) and len(kept.partner) <= len(messages):
         state = kept if len(kept.partner) == len(messages) else _pairing(messages, _copy(kept))
     else:
         state = _state_of(messages)
     holder.pairing = state  # read only from here on: extended from copies
-    return list(state.partner)
+    return state
 
 
 def _state_of(messages: Sequence[Message]) -> _Pairing:
@@ -304,24 +311,31 @@ def _state_of(messages: Sequence[Message]) -> _Pairing:
     keys_for = _KEYS.get()
     keys = keys_for(messages) if keys_for is not None else None
     if keys is None or len(keys) != len(messages) or not messages or None in keys:
-        return _pairing(messages, _Pairing([], {}, {}, None))
+        return _pairing(messages, _Pairing([], {}, {}, None, []))
     return _MEMO.state(messages, keys)
 
 
 def _copy(state: _Pairing) -> _Pairing:
     return _Pairing(
-        list(state.partner), dict(state.calls_at), dict(state.results_at), state.last_call
+        list(state.partner),
+        dict(state.calls_at),
+        dict(state.results_at),
+        state.last_call,
+        list(state.users),
     )
 
 
 @dataclass
 class _Pairing:
-    """What pairing messages[:len(partner)] left: enough to pair the messages after them."""
+    """What pairing messages[:len(partner)] left: enough to pair the messages after them,
+    and where their user messages are (the same pass reads each role once, so a turn finds
+    the users of its new messages only)."""
 
     partner: list[int]
     calls_at: dict[str, int]  # call id -> its message
     results_at: dict[str, int]  # result id -> its first message
     last_call: int | None
+    users: list[int]  # positions of the user messages, ascending
 
 
 def _pairing(messages: Sequence[Message], state: _Pairing) -> _Pairing:
@@ -329,13 +343,17 @@ def _pairing(messages: Sequence[Message], state: _Pairing) -> _Pairing:
     calls_at, results_at, last_call = state.calls_at, state.results_at, state.last_call
     start = len(state.partner)
     call_ids: dict[int, list[str]] = {}  # only the messages that have calls
-    partner = state.partner
+    partner, users = state.partner, state.users
     partner += range(start, len(messages))
     for index in range(start, len(messages)):
         message = messages[index]
         if type(message) is not dict:
+            if isinstance(message, dict) and message.get("role") == "user":
+                users.append(index)
             continue
         role = message.get("role")
+        if role == "user":
+            users.append(index)
         calls = message.get("tool_calls")
         if calls:
             ids = (
@@ -423,7 +441,7 @@ class PairingMemo:
             )
         if found is not None and found[0] == 0:
             return found[1]
-        state = _Pairing([], {}, {}, None) if found is None else _copy(found[1])
+        state = _Pairing([], {}, {}, None, []) if found is None else _copy(found[1])
         state = _pairing(messages, state)
         if len(messages) <= self._cache.maxsize:
             with self._lock:

@@ -58,6 +58,8 @@ def strip_reasoning(text: str) -> str:
     is an answer. A closing tag with no opening one (templates that put `<think>` in the prompt)
     means everything before it was reasoning.
     """
+    if "<" not in text:  # every pattern here starts at a tag (an assistant text's usual case)
+        return text.strip()
     text = _REASONING_BLOCK.sub("", text)
     if _UNCLOSED_OPEN.match(text):
         return ""

@@ -316,6 +316,27 @@ class TokenCounter:
             return cached
         return self._compute_message(profile, message, key, self._text_counter(profile))
 
+    def count_each(
+        self, model: str, messages: Sequence[Any], keys: Sequence[int | None] | None = None
+    ) -> list[int]:
+        """`count_message` of each of `messages` (`keys`: their own keys, None where not
+        known), the memo asked once for all of them."""
+        profile = self._profile(model)
+        salt = profile.salt
+        given = keys if keys is not None and len(keys) == len(messages) else [None] * len(messages)
+        salted = [
+            self._message_key(profile, m) if k is None else k ^ salt
+            for m, k in zip(messages, given, strict=True)
+        ]
+        found = self._memo.get_many(salted)
+        if None not in found:
+            return found  # type: ignore[return-value]
+        text = self._text_counter(profile)
+        return [
+            self._compute_message(profile, m, k, text) if c is None else c
+            for m, k, c in zip(messages, salted, found, strict=True)
+        ]
+
     def count_messages(self, model: str, messages: list[Any]) -> int:
         return self._count_messages(self._profile(model), messages)
 

@@ -11,6 +11,7 @@ from compaction_fakes import FakeSummarizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.compaction import render
 from proxy.compaction.prompt import SUMMARY_MARKER
 from proxy.compaction.protocol import Message, SummarizerError
 from proxy.compaction.render import TOOL_ARGUMENTS_MAX_CHARS, cap_tokens, default_count_tokens
@@ -114,6 +115,25 @@ def test_long_and_odd_tool_arguments_are_truncated_not_fatal() -> None:
 
 
 # -- junk stripped ----------------------------------------------------------------------------
+
+
+def strip_by_patterns(text: str) -> str:
+    """strip_reasoning's three patterns, always applied."""
+    text = render._REASONING_BLOCK.sub("", text)
+    if render._UNCLOSED_OPEN.match(text):
+        return ""
+    return render._STRAY_CLOSE.sub("", text, count=1).strip()
+
+
+_PIECES = st.sampled_from(
+    ["<think>", "</think>", "<THINKING>", "</reasoning>", "<", ">", "/", " ", "\n", "a", "é"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES | st.text(max_size=5), max_size=12).map("".join))
+def test_reasoning_is_stripped_as_the_patterns_strip_it(text: str) -> None:
+    assert render.strip_reasoning(text) == strip_by_patterns(text)
 
 
 def test_empty_parts_media_and_reasoning_are_stripped() -> None:

@@ -17,6 +17,7 @@ from proxy.compaction.cut import (
     cut_messages,
     estimate_message,
     message_keys,
+    pairing_state,
     partners,
 )
 from proxy.compaction.protocol import Message
@@ -143,6 +144,9 @@ def test_pairing_kept_on_the_body_equals_pairing_it_whole(
             again = partners(turn)  # the body's own, kept
         assert got == partners(copy.deepcopy(turn)) == again
         assert holder.pairing is not None
+        users = [i for i, m in enumerate(turn) if m.get("role") == "user"]
+        with message_keys(_content_keys, holder):
+            assert pairing_state(turn).users == users  # only the new messages' looked at
         got[:] = [-1] * len(got)
         with message_keys(None, holder):
             assert partners(turn) == again
@@ -152,3 +156,37 @@ def test_pairing_kept_on_the_body_equals_pairing_it_whole(
     with message_keys(_content_keys, other):
         assert partners(history) == partners(copy.deepcopy(history))  # another list: not kept
     assert other.pairing is kept
+
+
+class _Counts:
+    """A count that can also count many at once, as the compactor's is."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, message: Message) -> int:
+        self.calls += 1
+        return estimate_message(message)
+
+    def each(self, messages: Sequence[Message]) -> list[int]:
+        self.calls += 1
+        return [estimate_message(m) for m in messages]
+
+
+@settings(max_examples=200, deadline=None)
+@given(history=agent_histories(), keep=st.integers(0, 2000), n=st.integers(1, 4))
+def test_the_token_cut_counted_in_blocks_cuts_where_one_by_one_does(
+    history: list[Message], keep: int, n: int
+) -> None:
+    rules = CutRules(n, "carry", 40, DEFAULT_INJECTED)
+    counts = _Counts()
+    by_blocks = cut_messages(history, rules, keep_tokens=keep, count=counts)
+    one_by_one = cut_messages(history, rules, keep_tokens=keep, count=estimate_message)
+    assert (by_blocks.index, by_blocks.stops, by_blocks.task, by_blocks.asks) == (
+        one_by_one.index,
+        one_by_one.stops,
+        one_by_one.task,
+        one_by_one.asks,
+    )
+    # a handful of calls for the tail: the first block, doubled each time (and the task)
+    assert counts.calls <= 2 + max(1, len(history)).bit_length()

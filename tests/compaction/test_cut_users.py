@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.compaction.cut import DEFAULT_INJECTED, CutRules, _users, cut_history
+from proxy.compaction.cut import DEFAULT_INJECTED, CutRules, cut_history, pairing_state
 
 
 def test_user_positions_with_and_without_odd_messages() -> None:
@@ -17,8 +17,8 @@ def test_user_positions_with_and_without_odd_messages() -> None:
         {"content": "no role"},
         {"role": "user", "content": "ask"},
     ]
-    assert _users(history, 1) == [1, 5]
-    assert _users([*history, "not a message", {"role": "user"}], 1) == [1, 5, 7]
+    assert pairing_state(history).users == [1, 5]
+    assert pairing_state([*history, "not a message", {"role": "user"}]).users == [1, 5, 7]
 
 
 def test_injected_answers_are_remembered_per_text_not_per_message() -> None:

@@ -289,3 +289,23 @@ def test_a_memo_of_fewer_than_two_entries_is_refused() -> None:
 
     with pytest.raises(pydantic.ValidationError, match="memo_max_entries"):
         Settings.model_validate({"tokenizer": {"memo_max_entries": 1}})
+
+
+def test_counting_many_messages_at_once_answers_what_one_by_one_does(
+    make_counter: CounterFactory,
+) -> None:
+    history = agent_history(6)
+    one_by_one = make_counter()
+    expected = [one_by_one.count_message("gpt-4o", m) for m in history]
+    counter = make_counter()
+    assert counter.count_each("gpt-4o", fresh(history)) == expected  # all counted
+    calls = counter.encode_calls
+    assert counter.count_each("gpt-4o", fresh(history)) == expected  # all from the memo
+    assert counter.encode_calls == calls
+    keys = [hash(json.dumps(m)) for m in history]  # the messages' own keys, as spans give
+    keys[2] = None  # type: ignore[call-overload]
+    assert counter.count_each("gpt-4o", history, keys) == expected
+    assert counter.count_each("gpt-4o", history, keys) == expected
+    assert [counter.count_message("gpt-4o", m, k) for m, k in zip(history, keys, strict=True)] == (
+        expected
+    )
