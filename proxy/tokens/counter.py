@@ -59,6 +59,11 @@ PREFIX_LOOKBACK = 4
 # Above this many messages, even computing memo keys costs milliseconds: all of it leaves the loop.
 OFFLOAD_MESSAGES = 1024
 _WARM_TEXT = "Warm-up: ünïcödé 漢字 👍 `x = f(y)**2`\n\t 123 4567 can't"
+# Encodings whose pre-tokenizer always ends a piece at "]\n" before a character other than
+# \r, \n or / (o200k: `[^\s\p{L}\p{N}]+[\r\n/]*`, cl100k: `...[\r\n]*`), so the tokens
+# of head + rest are those of each (tests check it against tiktoken).
+_SPLIT_AFTER_BRACKET = frozenset({"o200k_base", "cl100k_base"})
+_HEAD_CHARS = 256  # how far into a text its head's "]\n" is looked for
 # Texts longer than this are encoded in slices (cut at a space when there is one; a slice
 # boundary can shift the count by a token), so a token limit stops a 60 MB text early.
 SLICE_CHARS = 1 << 20
@@ -284,6 +289,8 @@ class TokenCounter:
                 start = end
             return total
 
+        splits = profile.encoding in _SPLIT_AFTER_BRACKET
+
         def count(text: str) -> int:
             if not text:
                 return 0
@@ -293,9 +300,31 @@ class TokenCounter:
             key = hash(text) ^ salt
             cached = memo.get(key)
             if cached is None:
-                cached = encoded(text)
+                cached = after_header(text) if splits else None
+                if cached is None:
+                    cached = encoded(text)
                 memo.put(key, cached)
             return cached
+
+        def after_header(text: str) -> int | None:
+            """A text made of a short head ending in "]\n" and a text counted before (the
+            summarizer's "[result of tool call <id>]" line and a tool's output): the head's
+            tokens plus the memo's count of the rest, when it has one. Exact: both encodings'
+            pre-tokenizer ends the piece holding that "]" after the newlines (and, for o200k,
+            slashes) that follow it, so a rest starting with none of them starts a piece."""
+            if len(text) > SLICE_CHARS:  # counted in slices: the sums would differ
+                return None
+            split = text.find("]\n", 0, _HEAD_CHARS) + 2
+            if split < 2 or text[split : split + 1] in ("", "\r", "\n", "/"):
+                return None
+            rest = text[split:]
+            if len(rest) < TEXT_MEMO_MIN_CHARS:
+                return None
+            known = memo.get(hash(rest) ^ salt)
+            if known is None:
+                return None
+            self.encode_calls += 1
+            return len(encode(text[:split])) + known
 
         return count
 

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from proxy.tokens import TokenCounter, chat
 
@@ -309,3 +311,47 @@ def test_counting_many_messages_at_once_answers_what_one_by_one_does(
     assert [counter.count_message("gpt-4o", m, k) for m, k in zip(history, keys, strict=True)] == (
         expected
     )
+
+
+_TRICKY = st.sampled_from(
+    ["]", "\n", "\r", "/", " ", "  ", "'s", "a", "Z", "9", "漢", "é", "\u0301", "😀", "!", "\t"]
+)
+_OUTPUT = "def parse(line):\n    return line.split('/')  # 42\n" * 30
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    call_id=st.lists(_TRICKY | st.text(max_size=3), max_size=6).map("".join),
+    start=st.lists(_TRICKY, min_size=1, max_size=4).map("".join),
+    model=st.sampled_from(["gpt-4o", "gpt-4"]),  # o200k_base, cl100k_base
+)
+def test_a_tool_result_line_before_a_counted_output_is_counted_exactly(
+    counter: TokenCounter, call_id: str, start: str, model: str
+) -> None:
+    """The summarizer's view of a tool result ("[result of tool call <id>]", a newline, the
+    output): its tokens are what the tokenizer says, whatever the id and the output's start."""
+    output = start + _OUTPUT
+    counter.count_text(model, output)  # as when the tool message was counted
+    text = f"[result of tool call {call_id}]\n{output}"
+    encoder = counter._profile(model).encoder
+    assert encoder is not None
+    assert counter.count_text(model, text) == len(encoder.encode_ordinary(text))
+
+
+def test_a_tool_result_line_does_not_tokenize_its_counted_output_again(
+    make_counter: CounterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = make_counter()
+    encoder = counter._profile("gpt-4o").encoder
+    assert encoder is not None
+    encoded: list[str] = []
+    real = encoder.encode_ordinary
+    monkeypatch.setattr(encoder, "encode_ordinary", lambda t: encoded.append(t) or real(t))
+    counter.count_message("gpt-4o", {"role": "tool", "tool_call_id": "c1", "content": _OUTPUT})
+    assert _OUTPUT in encoded
+    encoded.clear()
+    text = f"[result of tool call c1]\n{_OUTPUT}"
+    assert counter.count_text("gpt-4o", text) == len(real(text))
+    assert encoded == ["[result of tool call c1]\n"]
