@@ -94,8 +94,9 @@ class Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(httpx.RemoteProtocolError(f"invalid HTTP reply from the upstream: {exc}"))
         else:
-            if self._timer is not None:  # the read timeout counts from the last byte
-                self._timer.cancel()
+            waiter = self._waiter
+            if self._timer is not None and waiter is not None and not waiter.done():
+                self._timer.cancel()  # still waiting: the read timeout counts from this byte
                 self._timer = self._loop.call_later(self._timeout or 0, self._timed_out)
 
     def eof_received(self) -> bool | None:
@@ -191,12 +192,15 @@ class Connection(asyncio.Protocol):
                 self._timer = None
 
     async def next_chunk(self) -> bytes:
-        """The next piece of the body as it arrived; b"" at its end."""
+        """All of the body that has arrived and not been read (the pieces of one socket read,
+        HTTP chunks or SSE events, go on together: one write to the client); b"" at its end."""
         while True:
-            if self.chunks:
-                chunk = self.chunks.popleft()
-                self.buffered -= len(chunk)
-                if self._paused and self.buffered <= HIGH_WATER // 2:
+            chunks = self.chunks
+            if chunks:
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self.buffered = 0
+                if self._paused:
                     self._paused = False
                     if self._transport is not None and not self.closed:
                         self._transport.resume_reading()
