@@ -51,13 +51,20 @@ async def chat_completions(request: Request) -> Response:
         tokens = exchange.record.tokens_after
         if tokens is None and state.quotas.counts_tokens(caller.key):  # not counted (mode off)
             tokens = await state.counter.acount_request(body)
-        quota = await state.quotas.charge(caller.key, tokens or 0)
-        if outcome.messages is not None:
-            content = reencode(body, outcome.messages, content, parsed.spans)
+        # Sent now: the upstream request is made while the ledger answers, and sent after.
+        charging = state.quotas.charge(caller.key, tokens or 0)
+        try:
+            if outcome.messages is not None:
+                content = reencode(body, outcome.messages, content, parsed.spans)
+            headers = exchange.upstream_headers()
+        except BaseException:
+            if charging is not None:
+                charging.abandon()
+            raise
         response = await exchange.open(
-            "POST", "chat/completions", headers=exchange.upstream_headers(), content=content
+            "POST", "chat/completions", headers=headers, content=content, clearance=charging
         )
-        return response, quota
+        return response, charging.headers if charging is not None else []
 
     try:
         caller = exchange.admit()

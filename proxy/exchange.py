@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.auth import Caller
+from proxy.clearance import Clearance
 from proxy.disconnect import DisconnectWatch
 from proxy.errors import ProxyError
 from proxy.headers import REQUEST_ID, Headers, client_headers_of
@@ -143,6 +144,28 @@ def _request_id(raw_headers: Iterable[tuple[bytes, bytes]]) -> str:
     return f"req_{os.urandom(16).hex()}"  # 128 random bits, as uuid4 (~5x cheaper)
 
 
+class _Timed:
+    """A clearance that notes when it cleared: the upstream request goes out then."""
+
+    __slots__ = ("clearance", "cleared_at", "record")
+
+    def __init__(self, clearance: Clearance, record: Record) -> None:
+        self.clearance = clearance
+        self.record = record
+        self.cleared_at = 0.0
+
+    async def cleared(self) -> None:
+        if self.cleared_at:
+            return
+        await self.clearance.cleared()
+        record = self.record
+        self.cleared_at = now = time.perf_counter()
+        record.overhead_s = now - record.started
+
+    def abandon(self) -> None:
+        self.clearance.abandon()
+
+
 class Exchange:
     """A route handler's view of its request. Build one at the top of the handler."""
 
@@ -211,10 +234,19 @@ class Exchange:
         return caller.upstream_headers(self.client_headers, self.request_id)
 
     async def open(
-        self, method: str, path: str, *, headers: Headers, content: RequestContent | None
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: Headers,
+        content: RequestContent | None,
+        clearance: Clearance | None = None,
     ) -> httpx.Response:
-        """Send upstream (the client's query string kept); noting status and time to headers."""
+        """Send upstream (the client's query string kept); noting status and time to headers.
+        With `clearance` (a quota charge on its way), the request is built while it is
+        waited for and only sent once it clears (see proxy.transport.Clearance)."""
         record = self.record
+        timed = None if clearance is None else _Timed(clearance, record)
         sent = time.perf_counter()
         record.overhead_s = sent - record.started
         response = await self.state.upstream.open(
@@ -223,7 +255,10 @@ class Exchange:
             headers=headers,
             content=content,
             query=self.request.scope.get("query_string", b""),
+            clearance=timed,
         )
+        if timed is not None:
+            sent = timed.cleared_at
         record.upstream_status = response.status_code
         record.upstream_ttfb_s = time.perf_counter() - sent
         return response

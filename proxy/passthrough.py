@@ -54,13 +54,18 @@ async def passthrough(request: Request) -> Response:
             if length is not None:
                 headers.append(("content-length", length))
 
-        quota = await exchange.state.quotas.charge(caller.key, 0)
-
         def send() -> Awaitable[httpx.Response]:
-            return exchange.open(request.method, path, headers=headers, content=content)
+            return exchange.open(
+                request.method, path, headers=headers, content=content, clearance=charging
+            )
 
+        charging = exchange.state.quotas.charge(caller.key, 0)  # sent now, cleared in `open`
         try:
             response = await (exchange.guard(send) if watch else send())
+        except ClientDisconnected:
+            if charging is not None:
+                charging.abandon()  # (when the watcher saw the client leave before `open`)
+            raise
         except ProxyError:
             if upload is not None:
                 upload.raise_if_gone()
@@ -69,6 +74,7 @@ async def passthrough(request: Request) -> Response:
         return exchange.error(exc)
     except ClientDisconnected:
         return exchange.disconnected()
+    quota = charging.headers if charging is not None else []
     return await exchange.relay(response, None, tap, watch=watch, raw_headers=quota)
 
 

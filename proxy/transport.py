@@ -38,6 +38,7 @@ import httpx
 from yarl import URL
 
 from proxy import wire
+from proxy.clearance import Clearance
 from proxy.egress import proxy_mounts
 from proxy.settings import UpstreamSettings
 
@@ -254,6 +255,18 @@ def _on_the_wire(
     return wire.request_bytes(method, url, headers, content)
 
 
+def _waiting_for(clearance: Clearance) -> tuple[aiohttp.ClientMiddlewareType]:
+    """aiohttp's hook between building a request and connecting and writing it."""
+
+    async def middleware(
+        request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
+    ) -> aiohttp.ClientResponse:
+        await clearance.cleared()
+        return await handler(request)
+
+    return (middleware,)
+
+
 def _buffered(reader: aiohttp.StreamReader) -> bytes:
     """Bytes received but not yet read, without the stored-exception check (private API)."""
     read_nowait = getattr(reader, "_read_nowait", None)
@@ -418,22 +431,26 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         headers: list[tuple[bytes, bytes]],
         content: bytes | None,
         timeouts: dict[str, float | None],
+        clearance: Clearance | None = None,
     ) -> httpx.Response:
         """`handle_async_request(httpx.Request(method, url, headers=headers, content=content))`
         (with `timeouts` as its timeout extension) without building the httpx.Request: the
-        same header bytes go out in the same order and the same errors come back."""
+        same header bytes go out in the same order and the same errors come back. Nothing
+        is written before `clearance` clears; what it raises comes out as raised."""
         raw = _headers_as_httpx_sends(method, url, headers, content)
         data = _on_the_wire(method, url, raw, content)
         text = None if data is not None else _headers_for_aiohttp(raw)
         if data is None and text is None:  # not UTF-8: httpx's transport writes bytes as given
             request = httpx.Request(method, url, headers=raw, content=content)
             request.extensions["timeout"] = timeouts
+            if clearance is not None:
+                await clearance.cleared()
             return await self.handle_async_request(request)
         slots = self._bind_loop(asyncio.get_running_loop())
         await slots.acquire(timeouts.get("pool"))
         try:
             if data is not None:
-                return await wire.send(self._wire, url, data, timeouts, slots.release)
+                return await wire.send(self._wire, url, data, timeouts, slots.release, clearance)
             assert text is not None
             return await self._send(
                 self._session_here(),
@@ -444,6 +461,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 slots,
                 timeouts,
                 None,
+                None if clearance is None else _waiting_for(clearance),
             )
         except BaseException:
             slots.release()
@@ -468,6 +486,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         slots: _Slots,
         timeouts: dict[str, float | None],
         sni_hostname: str | None,
+        middlewares: tuple[aiohttp.ClientMiddlewareType, ...] | None = None,
     ) -> httpx.Response:
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = io.BytesIO(data)
@@ -480,6 +499,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
                 allow_redirects=False,
                 timeout=self._timeout(timeouts),
                 server_hostname=sni_hostname,
+                middlewares=middlewares,
             )
         extensions = _HTTP_11
         if response.reason:

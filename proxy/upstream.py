@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from proxy.clearance import Clearance
 from proxy.disconnect import DisconnectWatch
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.headers import (
@@ -64,7 +65,8 @@ class ReplyTap(Protocol):
 
     def body(self, status: int, headers: httpx.Headers, streaming: bool) -> BodyTap | None:
         """A reply relayed as it arrives (`streaming`: an SSE body): what sees its chunks,
-        None to pass them untouched. `finish` follows however the body ends."""
+        None to pass them untouched. `finish` follows however the body ends, once the
+        client has been sent all it gets."""
         ...
 
     def finish(self) -> None:
@@ -122,12 +124,35 @@ class Upstream:
         headers: Headers,
         content: RequestContent | None,
         query: bytes = b"",
+        clearance: Clearance | None = None,
     ) -> httpx.Response:
         """Send the request and return once the upstream's status and headers are in.
 
         The body is left unread (`stream=True`); the caller relays it and must close it.
-        Header values go out as the bytes the client sent.
+        Header values go out as the bytes the client sent. With `clearance`, nothing is
+        written before it clears; a request that fails before asking it asks it then, so
+        its refusal wins over the failure as if it had been asked first.
         """
+        if clearance is None:
+            return await self._open(method, path, headers, content, query, None)
+        try:
+            return await self._open(method, path, headers, content, query, clearance)
+        except Exception:
+            await clearance.cleared()  # returns at once when it was asked already
+            raise
+        except BaseException:
+            clearance.abandon()
+            raise
+
+    async def _open(
+        self,
+        method: str,
+        path: str,
+        headers: Headers,
+        content: RequestContent | None,
+        query: bytes,
+        clearance: Clearance | None,
+    ) -> httpx.Response:
         # A bare Request, not client.build_request: the client's default headers (Accept,
         # Accept-Encoding, User-Agent) would be added to what the client sent.
         try:
@@ -137,7 +162,9 @@ class Upstream:
                 # Served: the same request without httpx building and sending it.
                 raw = as_bytes(headers)
                 try:
-                    return await direct.send_bytes(method, url, raw, content, self._timeouts)
+                    return await direct.send_bytes(
+                        method, url, raw, content, self._timeouts, clearance
+                    )
                 except httpx.HTTPError as exc:
                     raise self.failure(exc) from None
             request = httpx.Request(method, url, headers=as_bytes(headers), content=content)
@@ -146,6 +173,8 @@ class Upstream:
                 400, f"The request URL cannot be forwarded: {exc}", code="invalid_url"
             ) from None
         request.extensions["timeout"] = self._timeouts
+        if clearance is not None:
+            await clearance.cleared()
         try:
             return await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -208,9 +237,12 @@ class Upstream:
                 extra.setdefault("x-accel-buffering", "no")
             length = upstream.headers.get("content-length", "")
             if streaming or not (length.isdigit() and int(length) <= WHOLE_REPLY_BYTES):
-                chunks = _relay_body(upstream, self.host, tap, streaming)
+                seen = None
+                if tap is not None:
+                    seen = tap.body(upstream.status_code, upstream.headers, streaming)
+                chunks = _relay_body(upstream, self.host, seen)
                 raw = _client_headers(upstream, extra, raw_headers)
-                return RelayResponse(upstream, chunks, raw, watch)
+                return RelayResponse(upstream, chunks, raw, watch, tap)
         except BaseException:
             if watch is not None:
                 watch.close()
@@ -276,8 +308,9 @@ def _with_raw(extra: dict[str, str], raw_extra: Sequence[tuple[bytes, bytes]]) -
 
 
 class RelayResponse(StreamingResponse):
-    """Streams the upstream's body; closes the upstream response however the send ends
-    (finished, failed, client gone, or cancelled before the first byte).
+    """Streams the upstream's body; tells the tap once the client has been sent the end of
+    it (so the last byte waits for no accounting), and closes the upstream response however
+    the send ends (finished, failed, client gone, or cancelled before the first byte).
 
     With the request's disconnect watcher, the body is sent under it (a client that leaves
     ends the relay and aborts the upstream); without one, Starlette listens for the
@@ -290,11 +323,13 @@ class RelayResponse(StreamingResponse):
         chunks: AsyncIterator[bytes],
         raw_headers: RawHeaders,
         watch: DisconnectWatch | None = None,
+        tap: ReplyTap | None = None,
     ) -> None:
         super().__init__(chunks, upstream.status_code)
         self.raw_headers = raw_headers
         self.upstream = upstream
         self.watch = watch
+        self.tap = tap
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch
@@ -311,7 +346,11 @@ class RelayResponse(StreamingResponse):
         finally:
             if watch is not None:
                 watch.close()
-            await _close(self.upstream)
+            try:
+                if self.tap is not None:
+                    self.tap.finish()
+            finally:
+                await _close(self.upstream)
 
 
 async def _close(upstream: httpx.Response) -> None:
@@ -323,12 +362,12 @@ async def _close(upstream: httpx.Response) -> None:
 
 
 async def _relay_body(
-    upstream: httpx.Response, host: str, tap: ReplyTap | None = None, streaming: bool = False
+    upstream: httpx.Response, host: str, seen: BodyTap | None = None
 ) -> AsyncIterator[bytes]:
-    """The body as it arrives; with `tap`, each chunk as the tap passes it on (in this loop:
-    a tap adds no generator layer per chunk)."""
+    """The body as it arrives; with `seen`, each chunk as it passes it on (in this loop: a
+    tap adds no generator layer per chunk). httpx closes the upstream response once its body
+    has ended; the RelayResponse sending this closes it on every other path."""
     try:
-        seen = None if tap is None else tap.body(upstream.status_code, upstream.headers, streaming)
         if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
             if seen is None:
                 yield upstream.content
@@ -355,9 +394,3 @@ async def _relay_body(
         # the client sees the failure exactly as it would talking to the upstream directly.
         log.warning("upstream %s failed mid-response: %s", host, type(exc).__name__)
         raise UpstreamBrokeOff(f"upstream {host} broke off the response") from exc
-    finally:
-        try:
-            if tap is not None:
-                tap.finish()
-        finally:
-            await _close(upstream)

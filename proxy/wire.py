@@ -31,6 +31,8 @@ from typing import cast
 import httptools
 import httpx
 
+from proxy.clearance import Clearance
+
 HIGH_WATER = 256 * 1024  # buffered body bytes above which the socket is not read
 MAX_HEAD_BYTES = 1 << 20  # a reply's status line and headers
 _HTTP_11 = {"http_version": b"HTTP/1.1"}
@@ -390,13 +392,24 @@ async def send(
     data: list[bytes],
     timeouts: dict[str, float | None],
     release: Callable[[], None],
+    clearance: Clearance | None = None,
 ) -> httpx.Response:
     """`data` (see request_bytes) to `url`'s host; returns once the reply's headers are in.
-    `release` is called when the reply is closed (on a failure here, the caller keeps it)."""
+    `release` is called when the reply is closed (on a failure here, the caller keeps it).
+    With `clearance`, the connection is taken (or opened) first and nothing is written
+    until it clears; refused, the connection goes back to the pool unused."""
     key = (url.host, url.port or 80)
     connection = pool.take(key)
     if connection is None:
         connection = await pool.connect(key, timeouts.get("connect"))
+    if clearance is not None:
+        try:
+            await clearance.cleared()
+        except BaseException:
+            pool.put(connection)
+            raise
+        if connection.closed:  # the upstream closed it meanwhile, before a byte was written
+            connection = pool.take(key) or await pool.connect(key, timeouts.get("connect"))
     try:
         connection.send(data, timeouts.get("read"))
         while not connection.headers_done:

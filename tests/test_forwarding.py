@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import httpx
 import respx
@@ -268,3 +269,51 @@ def test_reencode_keeps_every_other_field() -> None:
 
 
 _ = UPSTREAM
+
+
+async def test_a_relayed_stream_is_accounted_after_the_client_has_its_last_byte() -> None:
+    """The tap's finish (usage accounting) comes after the end of the body has been sent:
+    the client's last byte does not wait for it."""
+    from proxy.settings import UpstreamSettings
+    from proxy.upstream import Upstream
+
+    events = [b'data: {"n":1}\n\n', b"data: [DONE]\n\n"]
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for event in events:
+                yield event
+
+    class Tap:
+        finished_after: list[dict[str, object]] | None = None
+
+        def whole(
+            self, status: int, headers: httpx.Headers, body: bytes
+        ) -> list[tuple[bytes, bytes]]:
+            raise AssertionError("a stream is not read whole")
+
+        def body(self, status: int, headers: httpx.Headers, streaming: bool) -> None:
+            assert streaming
+            return None
+
+        def finish(self) -> None:
+            self.finished_after = list(sent)
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, object]:
+        raise AssertionError("the relay without a watcher runs under Starlette's own")
+
+    tap = Tap()
+    reply = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Body())
+    async with httpx.AsyncClient() as client:
+        upstream = Upstream(client, UpstreamSettings(base_url="http://upstream.test/v1"))
+        response = await upstream.relay(reply, "req_test", tap=tap)
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        await response(scope, receive, send)  # type: ignore[arg-type]
+    last = {"type": "http.response.body", "body": b"", "more_body": False}
+    assert [m.get("body") for m in sent[1:]] == [*events, b""]
+    assert tap.finished_after is not None and tap.finished_after[-1] == last

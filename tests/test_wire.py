@@ -192,6 +192,49 @@ async def test_a_slow_reader_holds_a_bounded_buffer() -> None:
     assert peak <= wire.HIGH_WATER + 256 * 1024  # one socket read past the mark at most
 
 
+class Verdict:
+    """A clearance that answers when told to: `refuse` is raised, else it clears."""
+
+    def __init__(self, refuse: Exception | None = None) -> None:
+        self.refuse = refuse
+        self.go = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def cleared(self) -> None:
+        self.waiting.set()
+        await self.go.wait()
+        if self.refuse is not None:
+            raise self.refuse
+
+    def abandon(self) -> None:
+        raise AssertionError("not abandoned here")
+
+
+async def test_nothing_is_written_before_the_clearance_and_a_refusal_keeps_the_connection() -> None:
+    async with scripted(lambda n: OK) as (upstream, client):
+        transport = client._transport
+        assert isinstance(transport, UpstreamTransport)
+        url = client.base_url.join("/chat")
+        assert (await client.post("/chat", content=b"{}")).status_code == 200  # one idle
+        refused = Verdict(PermissionError("over quota"))
+        sending = asyncio.ensure_future(
+            transport.send_bytes("POST", url, [], b"{}", {}, clearance=refused)
+        )
+        await refused.waiting.wait()  # the connection is in hand, the request made
+        refused.go.set()
+        with pytest.raises(PermissionError):
+            await sending
+        allowed = Verdict()
+        allowed.go.set()
+        reply = await transport.send_bytes("POST", url, [], b"{}", {}, clearance=allowed)
+        assert reply.status_code == 200 and await reply.aread() == b"{}"
+        await reply.aclose()
+    # One connection, read in order: a refused request written on it would be counted
+    # before the one that got the reply.
+    assert upstream.connections == 1
+    assert len(upstream.requests) == 2
+
+
 def test_headers_that_would_break_the_framing_are_not_written() -> None:
     url = httpx.URL("http://up.test/v1/chat")
     assert wire.request_bytes("POST", url, [(b"x-a", b"1")], b"{}") is not None

@@ -9,6 +9,7 @@ and Redis (any number of replicas, single node or cluster).
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
@@ -97,8 +98,12 @@ class Ledger(Protocol):
     name: str  # "memory" | "redis"
     errors: int  # backend failures so far
 
-    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
-        """`w`: the windows of the request's time, computed once by the caller."""
+    def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Awaitable[Charge]:
+        """`w`: the windows of the request's time, computed once by the caller. A backend
+        that talks to a server may send the charge before returning, so that its round trip
+        overlaps what the caller does until it awaits the result (the request it admits is
+        only sent upstream after that). Awaited once, or closed unawaited if the request is
+        abandoned first."""
         ...
 
     async def record(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Literal
 
 from proxy.auth.keys import ProxyKey
@@ -60,26 +60,28 @@ class Quotas:
         found = self._quotas[key.id] = _KeyQuota(key)
         return found
 
-    async def charge(self, key: ProxyKey | None, tokens: int) -> RawHeaders:
-        """Count one request of `tokens` forwarded prompt tokens; the remaining-quota headers
-        for the reply, as wire bytes. On a normal reply the upstream's own `x-ratelimit-*`
-        pass through untouched, so the key's quota goes beside them as
-        `x-compaction-ratelimit-*`; a 429 carries OpenAI's own names.
-
-        Raises ProxyError 429 over a limit, 503 if the ledger is down and on_error = "closed".
-        """
+    def charge(self, key: ProxyKey | None, tokens: int) -> Charging | None:
+        """Count one request of `tokens` forwarded prompt tokens: the charge is on its way to
+        the ledger when this returns, and `Charging.cleared` waits for its verdict (None: the
+        key has no limits, nothing to charge)."""
         if key is None or not key.limits.any:
-            return []
+            return None
         quota = self._quotas.get(key.id)
         if quota is None or quota.key is not key:
             quota = self._quota_of(key)
-        limits = quota.limits
         now = self.clock()
         # The ledger reads only the window names: the whole second's windows (one tuple a
         # second); the exact resets are worked out where a header needs them.
-        w = whole_second(now)
+        sent = self.ledger.charge(key.id, quota.limits, tokens, whole_second(now))
+        return Charging(sent, self, key, quota, tokens, now)
+
+    async def verdict(
+        self, sent: Awaitable[Charge], key: ProxyKey, limits: LimitArgs, tokens: int, now: float
+    ) -> Charge | None:
+        """The ledger's answer to a charge `sent` at `now`: the counters after it, None when
+        the ledger was down and the request goes through unmetered (see `Charging.cleared`)."""
         try:
-            charge = await self.ledger.charge(key.id, limits, tokens, w)
+            charge = await sent
         except LedgerUnavailable as exc:
             self._log.warning(
                 "quota: %s ledger unavailable (%s); requests go through %s (errors=%d)",
@@ -88,7 +90,7 @@ class Quotas:
             )  # fmt: skip
             if self.on_error == "open":
                 self.failed_open += 1
-                return []
+                return None
             raise ProxyError(
                 503,
                 "The proxy cannot check quotas right now (its quota store is unreachable); "
@@ -98,11 +100,58 @@ class Quotas:
                 headers={"retry-after": "1"},
             ) from None
         if charge.denied is None:
-            return quota.reply_headers(charge, now)
+            return charge
         self.rejected += 1
         exact = windows_at(now)
         headers = rate_limit_headers(limits, charge, exact)
         raise _denial(key, limits, charge, tokens, exact, headers)
+
+
+class Charging:
+    """One request's charge, sent to the ledger ahead of the upstream request it admits
+    (see `proxy.transport.Clearance`): making that request and taking a pooled connection
+    overlap the ledger's round trip, and nothing goes upstream before `cleared` returns.
+
+    `cleared` raises ProxyError 429 over a limit, 503 if the ledger is down and on_error =
+    "closed"; once it returns, `headers` are the remaining-quota headers for the reply, as
+    wire bytes (made when read, after the request has gone). On a normal reply the
+    upstream's own `x-ratelimit-*` pass through untouched, so the key's quota goes beside
+    them as `x-compaction-ratelimit-*`; a 429 carries OpenAI's own names."""
+
+    __slots__ = ("_charge", "_key", "_now", "_quota", "_quotas", "_sent", "_tokens")
+
+    def __init__(
+        self,
+        sent: Awaitable[Charge],
+        quotas: Quotas,
+        key: ProxyKey,
+        quota: _KeyQuota,
+        tokens: int,
+        now: float,
+    ) -> None:
+        self._sent: Awaitable[Charge] | None = sent
+        self._quotas, self._key, self._quota = quotas, key, quota
+        self._tokens, self._now = tokens, now
+        self._charge: Charge | None = None
+
+    async def cleared(self) -> None:
+        """Wait for the ledger's verdict (once; later calls return at once)."""
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            self._charge = await self._quotas.verdict(
+                sent, self._key, self._quota.limits, self._tokens, self._now
+            )
+
+    @property
+    def headers(self) -> RawHeaders:
+        charge = self._charge
+        return [] if charge is None else self._quota.reply_headers(charge, self._now)
+
+    def abandon(self) -> None:
+        """The request was given up before asking for the verdict: nobody will read it."""
+        sent, self._sent = self._sent, None
+        if isinstance(sent, Coroutine):
+            sent.close()
 
 
 # OpenAI's names: x-ratelimit-{limit,remaining,reset}-{requests,tokens}.

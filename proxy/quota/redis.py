@@ -204,7 +204,7 @@ class RedisLedger:
             self._retry_at = self._clock() + self._retry_after_s
             raise LedgerUnavailable(self.last_error) from exc
 
-    async def charge(
+    def charge(
         self,
         key_id: str,
         limits: LimitArgs,
@@ -212,14 +212,27 @@ class RedisLedger:
         w: Windows,
         *,
         charge_id: str | None = None,
-    ) -> Charge:
+    ) -> Awaitable[Charge]:
         """`charge_id`: the same for every resend of one request's charge (made here if
-        None); a second charge with an id already seen returns the first one's result."""
-        if self.line is not None:
-            cid = charge_id or f"{self._id_prefix}{next(self._ids):x}"
-            result = await self._line_charge(self._command(key_id, limits, w, tokens, cid))
-            # The line reads the script's counts as integers already.
-            return new_charge((_denial(result[0]), *result[1:]))
+        None); a second charge with an id already seen returns the first one's result.
+
+        On the proxy's own line, once open, the command is sent before this returns (see
+        `Ledger.charge`); otherwise when the result is awaited."""
+        line = self.line
+        if line is None:
+            return self._pooled_charge(key_id, limits, tokens, w, charge_id)
+        if self._clock() < self._retry_at:
+            return self._unavailable()
+        cid = charge_id or f"{self._id_prefix}{next(self._ids):x}"
+        command = self._command(key_id, limits, w, tokens, cid)
+        return self._line_charge(command, line.call(command) if line.ready else None)
+
+    async def _unavailable(self) -> Charge:
+        raise LedgerUnavailable(self.last_error or "redis unavailable")
+
+    async def _pooled_charge(
+        self, key_id: str, limits: LimitArgs, tokens: int, w: Windows, charge_id: str | None
+    ) -> Charge:
         keys = [
             self.key(key_id, "rpm", w.minute),
             self.key(key_id, "tpm", w.minute),
@@ -281,27 +294,29 @@ class RedisLedger:
             tail[tail.index(b"\r\n") + 2 :],
         )
 
-    async def _line_charge(self, command: bytes) -> list[Any]:
+    async def _line_charge(self, command: bytes, sent: Awaitable[Any] | None) -> Charge:
+        """The charge's result: the reply to `sent` (None: not sent yet, the line connects
+        first), resent once after a dropped connection and once after loading the script."""
         line = self.line
         assert line is not None
-        if self._clock() < self._retry_at:
-            raise LedgerUnavailable(self.last_error or "redis unavailable")
         try:
             try:
                 try:
-                    return cast(list[Any], await line.call(command))
+                    result = await (line.call(command) if sent is None else sent)
                 except RedisConnectionError:  # once more, as `_resent` does
-                    return cast(list[Any], await line.call(command))
+                    result = await line.call(command)
             except NoScriptError:  # Redis's script cache was flushed: load it, resend once
                 script = self._charge.script
                 text = script if isinstance(script, str | bytes) else bytes(script)
                 await line.call(pack("SCRIPT", "LOAD", text))
-                return cast(list[Any], await line.call(command))
+                result = await line.call(command)
         except _OUTAGE as exc:
             self.errors += 1
             self.last_error = type(exc).__name__
             self._retry_at = self._clock() + self._retry_after_s
             raise LedgerUnavailable(self.last_error) from exc
+        # The line reads the script's counts as integers already.
+        return new_charge((_denial(result[0]), *result[1:]))
 
     async def _batched_charge(self, keys: list[str], args: list[int]) -> list[Any]:
         """Charges made in the same loop iteration go out as one pipeline: one write and one

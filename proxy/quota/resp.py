@@ -167,6 +167,11 @@ class ChargeLine:
             script=script,
         )
 
+    @property
+    def ready(self) -> bool:
+        """Open in the running event loop: `call` writes (or queues) its command at once."""
+        return self._transport is not None and self._loop is asyncio.get_running_loop()
+
     def call(self, command: bytes) -> Awaitable[Any]:
         """Send one packed command (at once on an idle line, else with the others held until
         the next reply); its reply, to await.
@@ -174,7 +179,7 @@ class ChargeLine:
         A Redis error reply is raised (ResponseError, NoScriptError); a lost connection or a
         timeout raise RedisConnectionError / TimeoutError. On an open line this is the
         reply's own future: no coroutine in between."""
-        if self._transport is None or self._loop is not asyncio.get_running_loop():
+        if not self.ready:
             return self._connect_and_send(command)
         return self._send(command)
 
@@ -232,6 +237,7 @@ class ChargeLine:
                     continue
                 if isinstance(reply, ResponseError):
                     future.set_exception(reply)
+                    future.exception()  # retrieved: its charge may have been abandoned
                 else:
                     future.set_result(reply)
         except _Incomplete:
@@ -261,6 +267,7 @@ class ChargeLine:
         for future, _ in pending:
             if not future.done():
                 future.set_exception(exc)
+                future.exception()  # retrieved: its charge may have been abandoned
         if self._watchdog is not None:
             self._watchdog.cancel()
         self._watchdog = None

@@ -4,14 +4,18 @@ without usage arriving without the usage chunk the proxy requested on its behalf
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
+import redis
 from starlette.applications import Starlette
 
 from proxy.app import create_app
@@ -26,19 +30,50 @@ from tests.integration.harness import (
 
 pytestmark = pytest.mark.integration
 
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
 PROXY_KEY = "sk-proxy-integration-team"
 MESSAGES: list[dict[str, str]] = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture
-def keyed_proxy(upstream_url: str) -> Iterator[tuple[Starlette, str]]:
+def redis_quota() -> Iterator[dict[str, Any]]:
+    """The quota section for the shared Redis under a fresh prefix, deleted afterwards."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"Redis at {REDIS_URL} is not reachable ({exc!r}); start redis-server")
+    prefix = f"test-integration-keys-{secrets.token_hex(6)}:"
+    try:
+        yield {"backend": "redis", "redis_url": REDIS_URL, "key_prefix": prefix}
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def serve_keyed(
+    upstream_url: str, quota: dict[str, Any], requests_per_minute: int
+) -> tuple[Starlette, ServerThread]:
     entry = {
         "id": "team",
         "key_sha256": hashlib.sha256(PROXY_KEY.encode()).hexdigest(),
-        "requests_per_minute": 1,
+        "requests_per_minute": requests_per_minute,
     }
-    app = create_app(proxy_settings(upstream_url, auth={"keys": [entry]}))
-    server = ServerThread(app, "proxy-keys", **PROXY_UVICORN).start()
+    app = create_app(proxy_settings(upstream_url, auth={"keys": [entry]}, quota=quota))
+    return app, ServerThread(app, "proxy-keys", **PROXY_UVICORN).start()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def keyed_proxy(
+    request: pytest.FixtureRequest, upstream_url: str
+) -> Iterator[tuple[Starlette, str]]:
+    """A served proxy (its upstream requests on aiohttp) with one key of 1 request/minute,
+    its quota in memory or in Redis."""
+    quota = request.getfixturevalue("redis_quota") if request.param == "redis" else {}
+    app, server = serve_keyed(upstream_url, quota, requests_per_minute=1)
     try:
         yield app, f"{server.url}/v1"
     finally:
@@ -109,6 +144,33 @@ def test_stream_without_include_usage_gets_no_usage_chunk(
     assert all(c.choices for c in chunks)  # the usage-only chunk was removed
     [got] = fake_upstream.requests
     assert got.json()["stream_options"] == {"include_usage": True}
+
+
+def test_concurrent_requests_over_a_redis_quota_reach_the_upstream_exactly_as_allowed(
+    upstream_url: str, fake_upstream: FakeUpstream, redis_quota: dict[str, Any]
+) -> None:
+    """Over the served path the charge is on its way while the upstream request is made:
+    of 10 requests sent at once against 7 per minute, 7 reach the upstream, 3 get 429."""
+    app, server = serve_keyed(upstream_url, redis_quota, requests_per_minute=7)
+    app.state.proxy.quotas.clock = lambda: 1_800_000_020.0  # one minute for all of them
+    body = {"model": "echo", "messages": MESSAGES}
+
+    async def send_all() -> list[int]:
+        async with httpx.AsyncClient(base_url=f"{server.url}/v1", timeout=WAIT_S) as client:
+            replies = await asyncio.gather(*(
+                client.post(
+                    "/chat/completions", json=body, headers={"authorization": f"Bearer {PROXY_KEY}"}
+                )
+                for _ in range(10)
+            ))  # fmt: skip
+        return sorted(reply.status_code for reply in replies)
+
+    try:
+        statuses = asyncio.run(send_all())
+    finally:
+        server.stop()
+    assert statuses == [200] * 7 + [429] * 3
+    assert len(fake_upstream.requests) == 7
 
 
 def test_usage_command_reads_a_running_proxy(

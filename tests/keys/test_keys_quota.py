@@ -592,7 +592,7 @@ async def test_reply_quota_headers_are_the_429s_under_the_compaction_names(
     w = windows_at(now)
     for tokens in (0, 7, 60, 0, 0):
         try:
-            raw = await quotas.charge(key, tokens)
+            raw = await charged(quotas, key, tokens)
         except ProxyError:
             continue
         expected = rate_limit_headers(limits, seen[-1], w)
@@ -644,7 +644,7 @@ async def test_reply_quota_headers_stay_exact_as_the_clock_moves_through_seconds
     times += [midnight - 2.5, midnight - 1.5, midnight - 1.0, midnight - 0.4, midnight + 0.2]
     for at in times:
         now = at
-        raw = await quotas.charge(key, 7)
+        raw = await charged(quotas, key, 7)
         expected = rate_limit_headers(limits, seen[-1], windows_at(at))
         assert dict(as_text(raw)) == {
             f"x-compaction-{name[2:]}": value for name, value in expected.items()
@@ -722,3 +722,11 @@ async def test_the_charge_line_writes_at_once_when_idle_and_holds_the_rest_for_o
     assert [reply.result() for reply in replies] == [b"1", b"2", b"3"]
     assert (line.round_trips, line.commands) == (2, 3)
     line.close()
+
+
+async def charged(quotas: Any, key: Any, tokens: int) -> Any:
+    """The reply quota headers of one charge through `Quotas` (raises its 429)."""
+    charging = quotas.charge(key, tokens)
+    assert charging is not None
+    await charging.cleared()
+    return charging.headers
