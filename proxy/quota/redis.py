@@ -34,6 +34,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
+import orjson
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -43,7 +44,6 @@ from redis.typing import ScriptTextT
 
 from proxy.quota.ledger import (
     Charge,
-    Denial,
     LedgerUnavailable,
     LimitArgs,
     UsageRow,
@@ -56,12 +56,12 @@ from proxy.store.connect import RedisClient
 
 T = TypeVar("T")
 
+# The result, stored under the charge id and returned, is one JSON array (denial, then the
+# five counters): one bulk string to read and one orjson call, not six RESP values.
 _CHARGE_LUA = """
 local seen = redis.call('GET', KEYS[6])
 if seen then
-  local d, r, tm, td, sd, sm = string.match(seen,
-    '^([%a_]*) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+)$')
-  return {d, tonumber(r), tonumber(tm), tonumber(td), tonumber(sd), tonumber(sm)}
+  return seen
 end
 local function num(k) return tonumber(redis.call('GET', k) or '0') end
 local r, tm, td = num(KEYS[1]), num(KEYS[2]), num(KEYS[3])
@@ -87,9 +87,9 @@ if denied == '' then
     td = redis.call('INCRBY', KEYS[3], tokens); redis.call('EXPIRE', KEYS[3], ARGV[8])
   end
 end
-redis.call('SET', KEYS[6], string.format('%s %d %d %d %d %d', denied, r, tm, td, sd, sm),
-  'EX', ARGV[9])
-return {denied, r, tm, td, sd, sm}
+local result = string.format('["%s",%d,%d,%d,%d,%d]', denied, r, tm, td, sd, sm)
+redis.call('SET', KEYS[6], result, 'EX', ARGV[9])
+return result
 """
 
 # KEYS: usage hash, spend day, spend month, the record id's key. ARGV: usage TTL, day TTL,
@@ -129,9 +129,11 @@ def _limit_args(limits: LimitArgs) -> tuple[int, ...]:
     )
 
 
-def _denial(value: bytes | str) -> Denial | None:
-    denied = value.decode() if isinstance(value, bytes) else value
-    return cast(Denial, denied) if denied else None
+def _charge_of(result: bytes | str) -> Charge:
+    """The charge script's result: `["<denial or empty>", requests, tokens per minute, tokens
+    per day, spend today, spend this month]`."""
+    denied, *counts = orjson.loads(result)
+    return new_charge((denied or None, *counts))
 
 
 async def _resent(call: Callable[[], Awaitable[T]]) -> T:
@@ -178,7 +180,7 @@ class RedisLedger:
             else None
         )
         self._batching = isinstance(client, Redis)
-        self._queue: list[tuple[list[str], list[int], asyncio.Future[list[Any]]]] = []
+        self._queue: list[tuple[list[str], list[int], asyncio.Future[bytes]]] = []
         self._senders: set[asyncio.Task[None]] = set()
         # key id -> (windows, limits, the packed pieces of its charge command)
         self._commands: dict[str, tuple[Any, ...]] = {}
@@ -246,11 +248,11 @@ class RedisLedger:
             result = await self._batched_charge(keys, args)
         else:
 
-            async def call() -> list[Any]:
-                return cast(list[Any], await self._charge(keys=keys, args=args))
+            async def call() -> bytes:
+                return cast(bytes, await self._charge(keys=keys, args=args))
 
             result = await self._guarded(lambda: _resent(call))
-        return Charge(_denial(result[0]), *map(int, result[1:]))
+        return _charge_of(result)
 
     def _command(self, key_id: str, limits: LimitArgs, w: Windows, tokens: int, cid: str) -> bytes:
         """The packed EVALSHA: what changes per charge (its id, its tokens) spliced into the
@@ -315,16 +317,15 @@ class RedisLedger:
             self.last_error = type(exc).__name__
             self._retry_at = self._clock() + self._retry_after_s
             raise LedgerUnavailable(self.last_error) from exc
-        # The line reads the script's counts as integers already.
-        return new_charge((_denial(result[0]), *result[1:]))
+        return _charge_of(result)
 
-    async def _batched_charge(self, keys: list[str], args: list[int]) -> list[Any]:
+    async def _batched_charge(self, keys: list[str], args: list[int]) -> bytes:
         """Charges made in the same loop iteration go out as one pipeline: one write and one
         read for all of them, instead of a round trip each (each script still runs
         atomically on its own)."""
         if self._clock() < self._retry_at:
             raise LedgerUnavailable(self.last_error or "redis unavailable")
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._queue.append((keys, args, future))
         if len(self._queue) == 1:
             task = asyncio.get_running_loop().create_task(self._send_charges())
@@ -354,17 +355,17 @@ class RedisLedger:
                 future.set_result(result)
 
     async def _pipeline_charges(
-        self, queue: list[tuple[list[str], list[int], asyncio.Future[list[Any]]]]
-    ) -> list[list[Any]]:
+        self, queue: list[tuple[list[str], list[int], asyncio.Future[bytes]]]
+    ) -> list[bytes]:
         if len(queue) == 1:  # alone: a plain EVALSHA is cheaper than a pipeline of one
             keys, args, _ = queue[0]
-            return [cast(list[Any], await self._charge(keys=keys, args=args))]
+            return [cast(bytes, await self._charge(keys=keys, args=args))]
 
         def build(pipe: Any) -> None:
             for keys, args, _ in queue:
                 pipe.evalsha(self._charge.sha, len(keys), *keys, *args)
 
-        return cast(list[list[Any]], await self._pipelined(build, self._charge.script))
+        return cast(list[bytes], await self._pipelined(build, self._charge.script))
 
     async def _pipelined(self, build: Callable[[Any], None], script: ScriptTextT) -> list[Any]:
         """One non-transactional pipeline, filled by `build`; sent once more after loading

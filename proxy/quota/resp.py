@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import re
 import socket
 from collections.abc import Awaitable
 from typing import Any
@@ -45,12 +44,6 @@ def pack(*parts: str | int | bytes) -> bytes:
     return b"".join(out)
 
 
-# The charge script's reply, the one the line reads most: a bulk string then five integers.
-_CHARGE_REPLY = re.compile(
-    rb"\*6\r\n\$(\d+)\r\n([a-z_]*)\r\n:(-?\d+)\r\n:(-?\d+)\r\n:(-?\d+)\r\n:(-?\d+)\r\n:(-?\d+)\r\n"
-)
-
-
 class _Incomplete(Exception):
     """The buffer ends inside a reply: wait for more bytes."""
 
@@ -65,21 +58,17 @@ def _line(buf: bytes, pos: int) -> tuple[bytes, int]:
 def parse(buf: bytes, pos: int = 0) -> tuple[Any, int]:
     """One RESP2 reply at `pos`: (value, position after it). Errors come back as
     ResponseError values (NoScriptError for NOSCRIPT), not raised. Raises _Incomplete."""
-    charge = _CHARGE_REPLY.match(buf, pos)
-    if charge is not None and int(charge[1]) == len(charge[2]):
-        denied, *counts = charge.groups()[1:]
-        return [denied, *map(int, counts)], charge.end()
     head, pos = _line(buf, pos)
     kind, rest = head[:1], head[1:]
-    if kind == b":":
-        return int(rest), pos
-    if kind == b"$":
+    if kind == b"$":  # first: the charge script's result is one bulk string
         size = int(rest)
         if size < 0:
             return None, pos
         if len(buf) < pos + size + 2:
             raise _Incomplete
         return buf[pos : pos + size], pos + size + 2
+    if kind == b":":
+        return int(rest), pos
     if kind == b"*":
         count = int(rest)
         if count < 0:

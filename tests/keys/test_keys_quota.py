@@ -687,6 +687,15 @@ def test_the_charge_command_is_the_packed_evalsha_and_its_reply_parses_as_any_ot
     assert resp.parse(replies[3]) == ([1, b"ab"], len(replies[3]))
     with pytest.raises(resp._Incomplete):
         resp.parse(replies[0][:-1])
+    # The script's result is one bulk string: a JSON array, the denial then the counters.
+    from proxy.quota.ledger import Charge
+    from proxy.quota.redis import _charge_of
+
+    result = b'["",1,20,20,0,-5]'
+    wire = b"$%d\r\n%s\r\n" % (len(result), result)
+    assert resp.parse(wire) == (result, len(wire))
+    assert _charge_of(result) == Charge(None, 1, 20, 20, 0, -5)
+    assert _charge_of('["tokens_day",3,0,9,0,0]') == Charge("tokens_day", 3, 0, 9, 0, 0)
 
 
 async def test_the_charge_line_writes_at_once_when_idle_and_holds_the_rest_for_one_write() -> None:
