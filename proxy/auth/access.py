@@ -76,10 +76,12 @@ class Gate:
 
     def admit(self, client_headers: Iterable[tuple[str, str]]) -> Caller:
         """The caller, or a 401 ProxyError (`invalid_api_key`)."""
-        if not self.source.configured:
+        source = self.source
+        if not source.configured:
             return self._anonymous
-        self.source.maybe_reload()
-        key = authenticate(self.source.ring, client_headers)
+        if source.path is not None:  # keys from a file: it may have changed
+            source.maybe_reload()
+        key = authenticate(source.ring, client_headers)
         caller = self._callers.get(key.id)
         if caller is None or caller.key is not key:
             if len(self._callers) > 100_000:  # ids from many reloads: start over

@@ -225,7 +225,7 @@ class RedisLedger:
             return self._pooled_charge(key_id, limits, tokens, w, charge_id)
         if self._clock() < self._retry_at:
             return self._unavailable()
-        cid = charge_id or f"{self._id_prefix}{next(self._ids):x}"
+        cid = charge_id or self._id_prefix + hex(next(self._ids))
         command = self._command(key_id, limits, w, tokens, cid)
         return self._line_charge(command, line.call(command) if line.ready else None)
 
