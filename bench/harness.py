@@ -173,11 +173,14 @@ def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iter
 
 
 @contextmanager
-def upstream(kind: str = "fast", extra: Sequence[str] = ()) -> Iterator[int]:
+def upstream(
+    kind: str = "fast", extra: Sequence[str] = (), pids: list[int] | None = None
+) -> Iterator[int]:
     """The upstream, pinned next to the load generator (not next to the server).
 
     kind "fast": bench/upstream.py (HTTP/1.1); "hypercorn": the same answers over HTTP/1.1
     and h2c from hypercorn (slower; only to compare HTTP/2 with HTTP/1.1 on one upstream).
+    Its pid is appended to `pids` when given.
     """
     port = free_port()
     cmd = [sys.executable, "-m", "bench.upstream", "--port", str(port), *extra]
@@ -187,10 +190,24 @@ def upstream(kind: str = "fast", extra: Sequence[str] = ()) -> Iterator[int]:
     proc = subprocess.Popen(_pin(CLIENT_CPU, cmd), cwd=ROOT)
     try:
         _wait_listening(port, proc)
+        if pids is not None:
+            pids.append(proc.pid)  # taskset execs: the upstream's own pid
         yield port
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def realtime(pid: int) -> None:
+    """Every thread of `pid` (0: this one) at SCHED_FIFO priority 1 (needs root or
+    CAP_SYS_NICE): it runs as soon as it is runnable, so other processes' time slices on a
+    shared box cannot delay it. Only for processes that sleep between short bursts."""
+    param = os.sched_param(1)
+    if pid == 0:
+        os.sched_setscheduler(0, os.SCHED_FIFO, param)
+        return
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setscheduler(int(task.name), os.SCHED_FIFO, param)
 
 
 def uvicorn_cmd(app: str, port: int, server_kind: str) -> list[str]:

@@ -3,7 +3,7 @@
     python -m bench.memory                  # both parts below
     python -m bench.memory breakdown        # RSS step by step in one process
     python -X tracemalloc=1 -m bench.memory snapshot   # Python allocations after start, by package
-    python -m bench.memory first [--starts 5] [--requests 50] [--targets proxy proxy+probe relay]
+    python -m bench.memory first [--starts 5] [--requests 50] [--gap 0] [--targets proxy relay]
     python -m bench.memory instructions [--targets proxy proxy-noconnect]   # under callgrind
 
 `breakdown` builds the proxy in this process as `serve` does and prints VmRSS after each
@@ -17,12 +17,21 @@ package (imports' code and data included; the Rust BPE tables are not there).
 
 `first` starts `compaction-proxy serve` `--starts` times (a fresh process each) against
 bench/upstream.py and times request 1 against the median of requests 2..N on one keep-alive
-connection (opened before the clock starts), for a small chat body, non-streaming and
+connection, opened and accepted by the server before the clock starts (else the server's
+accept of it is inside request 1's time only), for a small chat body, non-streaming and
 streaming; `relay` (bench/relay.py) is the same for the bare relay, the floor of this stack,
 and `proxy+probe` the proxy with `server.warm_probe_s` set (the upstream connection opened
 at start; since the start opens an idle upstream connection by itself, `proxy-noconnect`
 is the proxy with `server.warm_connect_s = 0`, as it was before). Goal: request 1 within 2x
-of a warm one.
+of a warm one. Beside wall and server CPU it shows the server's run-queue wait (schedstat:
+time its threads were runnable while their CPU ran something else) and wall less that wait:
+on a shared box most of request 1's extra wall time is that wait, not the proxy's work.
+`--gap S` sends every request S seconds after the last (request 1 S seconds after the
+accept), so that warm requests, like request 1, come after idle time (cold caches, and the
+scheduler's view of a process that slept). `--realtime` (root) puts the client, the
+upstream and each server, once it listens, at SCHED_FIFO: then no other process's time slice
+delays a request, and wall time is the three processes' own work (what an idle machine
+shows); with this kernel's PREEMPT_NONE another process in a long system call still can.
 
 `instructions` is the same comparison counted in instructions (valgrind's callgrind, every
 thread of the server, from just before request 1): exact and repeatable on a busy box, where
@@ -46,7 +55,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from bench import harness
 
@@ -209,31 +217,77 @@ _BODY = {
 }
 
 
-def _cpu_ns(pid: int) -> int:
-    """CPU time of every thread of `pid` so far, in ns (schedstat: exact, unlike ticks)."""
-    total = 0
+def _sched_ns(pid: int) -> tuple[int, int]:
+    """(CPU time, run-queue wait) of every thread of `pid` so far, in ns, from schedstat
+    (exact, unlike ticks). The wait is time a thread was runnable while the CPU ran
+    something else: on a shared box, other processes' slices (and, with this kernel's
+    PREEMPT_NONE, their long system calls) that the server has to sit out."""
+    cpu = wait = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that just ended
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
+            fields = (task / "schedstat").read_text().split()
+            cpu, wait = cpu + int(fields[0]), wait + int(fields[1])
+    return cpu, wait
 
 
-def _timed_requests(port: int, pid: int, stream: bool, count: int) -> list[tuple[float, float]]:
-    """(wall ms, server CPU ms) of each request; CPU is steadier on a busy box."""
-    body = json.dumps({**_BODY, "stream": stream}).encode()
-    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+def _server_has_accepted(pid: int, client_port: int) -> bool:
+    """Whether the server `pid` holds the accepted end of the client's connection from
+    `client_port` (a socket still in the listen backlog has no inode, nor a descriptor)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].rsplit(":", 1)[1], 16) == client_port and fields[9] in inodes:
+            return True
+    return False
+
+
+def _connect(port: int, pid: int) -> http.client.HTTPConnection:
+    """A connection the server has accepted already: request 1's clock then starts, like
+    every later request's, on a connection the server is reading (without the wait, the
+    server's accept of it ran inside request 1's time)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.connect()
+    assert conn.sock is not None
+    client_port = conn.sock.getsockname()[1]
+    deadline = time.monotonic() + 10
+    while not _server_has_accepted(pid, client_port):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not accept the connection within 10 s")
+        time.sleep(0.001)
+    return conn
+
+
+def _timed_requests(
+    port: int, pid: int | None, stream: bool, count: int, gap_s: float = 0.0
+) -> list[tuple[float, float, float]]:
+    """(wall ms, server CPU ms, server run-queue wait ms) of each request, each one sent
+    `gap_s` after the last (request 1 `gap_s` after the server accepted the connection);
+    CPU is steadier on a busy box. Without `pid` (the bench client warming itself up
+    against the upstream) the server columns are 0."""
+    body = json.dumps({**_BODY, "stream": stream}).encode()
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    if pid is None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    else:
+        conn = _connect(port, pid)
     times = []
     try:
         for _ in range(count):
-            cpu = _cpu_ns(pid)
+            if gap_s:
+                time.sleep(gap_s)  # idle, as a server between clients' requests
+            cpu, wait = _sched_ns(pid) if pid else (0, 0)
             started = time.perf_counter()
             conn.request("POST", "/v1/chat/completions", body, headers)
             response = conn.getresponse()
             response.read()
             wall = (time.perf_counter() - started) * 1000
-            times.append((wall, (_cpu_ns(pid) - cpu) / 1e6))
+            cpu_after, wait_after = _sched_ns(pid) if pid else (0, 0)
+            times.append((wall, (cpu_after - cpu) / 1e6, (wait_after - wait) / 1e6))
             if response.status != 200:
                 raise RuntimeError(f"status {response.status}")
     finally:
@@ -252,45 +306,67 @@ def _first_cmd(target: str, port: int) -> list[str]:
     return cmd
 
 
-def first_request(args: argparse.Namespace) -> dict[str, Any]:
+def first_request(args: argparse.Namespace) -> None:
     env = {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
     kinds = [(target, stream) for target in args.targets for stream in (False, True)]
-    runs: dict[tuple[str, bool], list[list[tuple[float, float]]]] = {k: [] for k in kinds}
+    runs: dict[tuple[str, bool], list[list[tuple[float, float, float]]]] = {k: [] for k in kinds}
     rest: dict[str, list[float]] = {target: [] for target in args.targets}
-    with harness.upstream() as up_port:
+    upstream_pid: list[int] = []
+    with harness.upstream(pids=upstream_pid) as up_port:
         env["COMPACTION_PROXY_UPSTREAM__BASE_URL"] = f"http://127.0.0.1:{up_port}/v1"
         env["BENCH_UPSTREAM"] = f"http://127.0.0.1:{up_port}"
+        if args.realtime:
+            harness.realtime(0)  # this client
+            harness.realtime(upstream_pid[0])
+        for stream in (False, True):  # the client's own first requests, not in any row
+            _timed_requests(up_port, None, stream, 3)
         for start in range(args.starts):
             for target, stream in kinds:  # each kind's first request in its own process
                 port = harness.free_port()
                 with harness.server(_first_cmd(target, port), port, env) as srv:
                     rest[target].append(srv.rest_mb)
-                    timed = _timed_requests(port, srv.pid, stream, args.requests)
+                    if args.realtime:  # once started: start-up runs as any process does
+                        harness.realtime(srv.pid)
+                    timed = _timed_requests(port, srv.pid, stream, args.requests, args.gap)
                     runs[(target, stream)].append(timed)
             print(f"  start {start + 1}/{args.starts} done", file=sys.stderr)
+    spacing = f", each {args.gap:g} s after the last" if args.gap else " back to back"
+    if args.realtime:
+        spacing += "; client, upstream and each started server at SCHED_FIFO"
     print(f"\nfirst request after start: {args.starts} fresh processes per row, request 1 vs "
-          f"requests 2..{args.requests} on one keep-alive connection; medians over starts "
-          "of wall ms and server CPU ms (all threads, /proc schedstat)")  # fmt: skip
+          f"requests 2..{args.requests} on one keep-alive connection (accepted by the server "
+          f"before the clock starts){spacing}; medians over starts of wall ms, server CPU ms "
+          "and the server's run-queue wait ms (all threads, /proc schedstat); 'less wait' is "
+          "wall minus that wait")  # fmt: skip
+
     rows, ratios = [], {}
     for target, stream in kinds:
-        cells = []
-        for which in (0, 1):  # wall, cpu
-            first = statistics.median(run[0][which] for run in runs[(target, stream)])
-            warm = statistics.median(statistics.median(t[which] for t in run[1:])
-                                     for run in runs[(target, stream)])  # fmt: skip
-            cells += [f"{first:.2f}", f"{warm:.2f}", f"{first / warm:.2f}x"]
-            ratios.setdefault((target, stream), []).append(first / warm)
+        done = runs[(target, stream)]
+        cells, found = [], []
+        for which in range(4):  # wall, CPU, wait, wall less wait
+            pick: Callable[[tuple[float, float, float]], float] = (
+                (lambda t: t[0] - t[2]) if which == 3 else (lambda t, i=which: t[i])
+            )
+            first = statistics.median(pick(run[0]) for run in done)
+            warm = statistics.median(statistics.median(pick(t) for t in run[1:]) for run in done)
+            found.append(first / warm if warm > 0 else float("nan"))
+            cells.append([f"{first:.2f}", f"{warm:.2f}", f"{found[-1]:.2f}x"])
+        wall, cpu, _, net = found
+        ratios[(target, stream)] = (wall, cpu, net)
         rest_mb = statistics.median(rest[target])
-        rows.append([target, "yes" if stream else "no", *cells, f"{rest_mb:.0f}"])
+        shown = [*cells[0], *cells[1], *cells[2][:2], *cells[3]]  # no ratio of waits
+        rows.append([target, "yes" if stream else "no", *shown, f"{rest_mb:.0f}"])
     header = ["target", "stream", "request 1 ms", "warm ms", "ratio", "request 1 CPU ms",
-              "warm CPU ms", "CPU ratio", "VmRSS at rest MB"]  # fmt: skip
+              "warm CPU ms", "CPU ratio", "request 1 wait ms", "warm wait ms",
+              "request 1 less wait", "warm less wait", "less-wait ratio",
+              "VmRSS at rest MB"]  # fmt: skip
     harness.print_table(header, rows)
-    for (target, stream), (wall, cpu) in ratios.items():
+    for (target, stream), (wall, cpu, net) in ratios.items():
         if target.startswith("proxy"):
             verdict = "PASS" if wall <= 2 else "FAIL"
             print(f"  {target} stream={'yes' if stream else 'no'}: request 1 / warm {wall:.2f}x "
-                  f"wall, {cpu:.2f}x CPU (goal <= 2x): {verdict}")  # fmt: skip
-    return {"ratios": ratios}
+                  f"wall (goal <= 2x): {verdict}; {net:.2f}x less the server's run-queue "
+                  f"wait, {cpu:.2f}x CPU")  # fmt: skip
 
 
 def _callgrind_total(path: Path) -> int:
@@ -372,6 +448,15 @@ def main() -> None:
     parser.add_argument("part", nargs="?", choices=parts, default="all")
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument(
+        "--gap", type=float, default=0.0,
+        help="first: seconds idle before each request, request 1 too (default 0: back to back)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--realtime", action="store_true",
+        help="first: the client, the upstream and each server once started at SCHED_FIFO "
+        "(root): no other process's time slice delays a request",
+    )  # fmt: skip
     parser.add_argument(
         "--targets", nargs="+", choices=["proxy", "proxy+probe", "proxy-noconnect", "relay"],
         default=["proxy", "relay"],
