@@ -25,7 +25,9 @@ the mock summarizer's own time is subtracted (what is left is the proxy's).
     (ii) a passthrough, (iii) a reused turn (the previous turn was compacted, under a tenant
     of its own, so the store holds its summary) and (iv) an extended turn (the turn
     `--extend-back` turns earlier was compacted: the stored summary is extended over the new
-    span). Then the issue's goals as PASS/FAIL.
+    span with one summarizer request). Then the goals as PASS/FAIL: they are for turns with
+    no summarizer call, the reused row; the extended row's ratios are printed beside them
+    for information, since its time includes the proxy's side of a summarizer request.
 
 Not a test: prints tables, exits 0 either way.
 """
@@ -57,7 +59,7 @@ except ImportError:  # the comparison still runs, without the fastest parser
     orjson = None  # type: ignore[assignment]
 
 UPSTREAM = "http://upstream.bench/v1"
-GOAL_VS_PARSE = 2.0  # a reused/extended turn at most this many orjson.loads of its body
+GOAL_VS_PARSE = 2.0  # a turn with no summarizer call at most this many orjson.loads of its body
 GOAL_VS_PASSTHROUGH = 1.5  # and at most this many passthroughs of the same body
 _SUMMARIZER = SYSTEM_PROMPT.encode()
 
@@ -400,13 +402,18 @@ async def compare(
             rows,
         )
     )
-    print("goals (CPU time: the machine is shared, wall time moves with the neighbours):")
-    for name in ("reused", "extended"):
-        for base, goal in ((parser, GOAL_VS_PARSE), ("passthrough", GOAL_VS_PASSTHROUGH)):
-            value, against = cpu[name], cpu[base]
-            assert value is not None and against is not None
-            verdict = "PASS" if value <= goal * against else "FAIL"
-            print(f"  {name} vs {base}: {value / against:.2f}x (goal <= {goal}x): {verdict}")
+    print(
+        "goals, for a turn with no summarizer call (CPU time: the machine is shared, "
+        "wall time moves with the neighbours):"
+    )
+    for base, goal in ((parser, GOAL_VS_PARSE), ("passthrough", GOAL_VS_PASSTHROUGH)):
+        value, against = cpu["reused"], cpu[base]
+        assert value is not None and against is not None
+        verdict = "PASS" if value <= goal * against else "FAIL"
+        print(f"  reused vs {base}: {value / against:.2f}x (goal <= {goal}x): {verdict}")
+    print("informational, includes one summarizer request (its mock's time subtracted):")
+    for base in (parser, "passthrough"):
+        print(f"  extended vs {base}: {_ratio(cpu['extended'], cpu[base])}")
 
 
 def _ratio(value: float | None, base: float | None) -> str:
