@@ -574,18 +574,10 @@ async def test_reply_quota_headers_are_the_429s_under_the_compaction_names(
     from proxy.auth.keys import Limits, ProxyKey
     from proxy.errors import ProxyError
     from proxy.headers import as_text
-    from proxy.quota import MemoryLedger, Quotas
+    from proxy.quota import Quotas
     from proxy.quota.quotas import rate_limit_headers
 
-    ledger = MemoryLedger()
-    seen: list[Any] = []
-    charge_of = ledger.charge
-
-    async def charge(*args: Any) -> Any:
-        seen.append(await charge_of(*args))
-        return seen[-1]
-
-    ledger.charge = charge  # type: ignore[method-assign]
+    ledger, seen = recording_ledger()
     quotas = Quotas(ledger, clock=lambda: now)
     key = ProxyKey("k", b"", limits=Limits(**policy))
     limits = LimitArgs.of(key.limits)
@@ -600,7 +592,7 @@ async def test_reply_quota_headers_are_the_429s_under_the_compaction_names(
             f"x-compaction-{name[2:]}": value for name, value in expected.items()
         }
     # A key over its limits (they were lowered by a reload): nothing negative is shown.
-    over = (await charge_of("k", LimitArgs.of(Limits()), 10**6, w))._replace(requests=10**6)
+    over = (await ledger.charge("k", LimitArgs.of(Limits()), 10**6, w))._replace(requests=10**6)
     shown = quotas._quota_of(key).reply_headers(over, now)
     assert all(not value.startswith(b"-") for _, value in shown)
     assert (b"x-compaction-ratelimit-remaining-requests", b"0") in shown or not limits.requests
@@ -621,18 +613,10 @@ async def test_reply_quota_headers_stay_exact_as_the_clock_moves_through_seconds
     (reset in ms) and of a day included."""
     from proxy.auth.keys import Limits, ProxyKey
     from proxy.headers import as_text
-    from proxy.quota import MemoryLedger, Quotas
+    from proxy.quota import Quotas
     from proxy.quota.quotas import rate_limit_headers
 
-    ledger = MemoryLedger()
-    seen: list[Any] = []
-    charge_of = ledger.charge
-
-    async def charge(*args: Any) -> Any:
-        seen.append(await charge_of(*args))
-        return seen[-1]
-
-    ledger.charge = charge  # type: ignore[method-assign]
+    ledger, seen = recording_ledger()
     now = 1_800_000_030.0
     quotas = Quotas(ledger, clock=lambda: now)
     key = ProxyKey("k", b"", limits=Limits(**policy))
@@ -739,3 +723,19 @@ async def charged(quotas: Any, key: Any, tokens: int) -> Any:
     assert charging is not None
     await charging.cleared()
     return charging.headers
+
+
+def recording_ledger() -> tuple[Any, list[Any]]:
+    """A memory ledger that also keeps what each of its charges returned, in order."""
+    from proxy.quota import MemoryLedger
+
+    ledger = MemoryLedger()
+    seen: list[Any] = []
+    charge_of = ledger.charge
+
+    async def charge(*args: Any) -> Any:
+        seen.append(await charge_of(*args))
+        return seen[-1]
+
+    ledger.charge = charge  # type: ignore[method-assign]
+    return ledger, seen
