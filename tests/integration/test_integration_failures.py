@@ -15,6 +15,7 @@ import pytest
 
 from proxy.settings import UpstreamSettings
 from proxy.transport import create_upstream_client
+from proxy.wire import WireStream
 from tests.integration.harness import API_KEY, PIECES, WAIT_S, FakeUpstream
 
 pytestmark = pytest.mark.integration
@@ -61,14 +62,14 @@ async def test_transport_delivers_bytes_received_before_the_connection_broke(
         request = client.build_request("POST", f"{upstream_url}/chat/completions", json=TRUNCATE)
         response = await client.send(request, stream=True)
         assert await fake_upstream.signal("crashed").wait_async(WAIT_S)
-        try:  # the aiohttp StreamReader under the httpx response
-            reader = response.stream._stream._response.content  # type: ignore[attr-defined]
-        except AttributeError:
-            pytest.skip("proxy/transport.py is no longer aiohttp-based; nothing to race")
+        stream = response.stream._stream  # type: ignore[attr-defined]  # (httpx wraps it)
+        assert isinstance(stream, WireStream)  # plain http: proxy.wire carries it
+        connection = stream._connection
         deadline = time.monotonic() + WAIT_S
-        while reader.exception() is None:  # a bounded poll of the reader's own state
+        while not connection.closed:  # a bounded poll of the connection's own state
             assert time.monotonic() < deadline, "the transport never saw the connection break"
             await asyncio.sleep(0.005)
+        assert connection.chunks  # piece 0 arrived before the break and is still unread
         received = b""
         with contextlib.suppress(httpx.RemoteProtocolError):
             async for part in response.aiter_raw():
