@@ -35,7 +35,7 @@ from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
 from proxy.state import ProxyState
 from proxy.store import create_store
 from proxy.tokens import TokenCounter
-from proxy.transport import ServedTransport, create_upstream_client, upstream_limits
+from proxy.transport import ServedTransport, create_upstream_client, needs_https, upstream_limits
 from proxy.turnmemo import TurnMemo
 from proxy.upstream import Upstream
 from proxy.usage import Meter, Pricing
@@ -59,8 +59,10 @@ def create_app(
     the tokenizer files cannot be loaded (and `tokenizer.on_missing = "fail"`).
 
     `transport` carries every upstream request (forwarded and summarizer calls). By default
-    it is httpx's own until a server runs the lifespan, aiohttp's from then on (see
-    `ServedTransport`): respx sees an in-process app's requests, a served app is fast.
+    it is httpx's own until a server runs the lifespan, the app's own from then on (see
+    `ServedTransport`): respx sees an in-process app's requests, a served app is fast. The
+    lifespan builds it for https (importing aiohttp) only when the upstream's or the
+    summarizer's URL is https and reached directly.
     """
     settings = settings or Settings()
     if counter is None:
@@ -94,7 +96,8 @@ def create_app(
         if through is not None:
             log.info("upstream requests go through the proxy %s", through)
         if served is not None:
-            served.serve()
+            summarizer = settings.compaction.summarizer.base_url or settings.upstream.base_url
+            served.serve(https=needs_https(client, (settings.upstream.base_url, summarizer)))
         await warm_up(app, state, served, metrics)
         probe = connect = None
         if served is not None and served.served:

@@ -1,51 +1,46 @@
 """The one pooled HTTP client the app uses towards the upstream (and the summarizer).
 
-httpx is the API; the wire is `proxy.wire` (a small httptools client) for plain-http
-requests with a known body, aiohttp for the rest (https, HEAD, streamed request bodies).
-On every request httpcore's pool walks all its connections (an O(n^2) idle count, a poll()
-per idle socket), so a plain httpx relay loses about two thirds of its throughput from
-concurrency 1 to 64; neither of these does. Numbers and the other options measured:
-bench/README.md, `python -m bench.transports`.
+httpx is the API; the wire is `proxy.wire` (a small httptools client) for every request to
+a plain-http upstream, aiohttp (`proxy.aiowire`) for https, httpx's own transport through
+an egress proxy (`proxy.egress`). On every request httpcore's pool walks all its
+connections (an O(n^2) idle count, a poll() per idle socket), so a plain httpx relay loses
+about two thirds of its throughput from concurrency 1 to 64; neither of these does. Numbers
+and the other options measured: bench/README.md, `python -m bench.transports`.
 
-`UpstreamTransport` is an `httpx.AsyncBaseTransport` that sends with one of them and maps
-aiohttp's errors onto httpx's (`proxy.wire` raises httpx's itself): refused -> ConnectError;
-connect/read/pool timeouts -> ConnectTimeout, ReadTimeout, PoolTimeout. httpx's write
-timeout is not applied. aiohttp does not enforce `max_keepalive_connections` (idle ones
-expire after keepalive_expiry), `proxy.wire` does; both share one count of
-`max_connections` slots. Header bytes cross unchanged: `proxy.wire` writes them as given;
-aiohttp writes header text as UTF-8, so such a request whose header bytes are not UTF-8
-(latin-1 from `requests` or Node) goes through httpx's own transport, which writes bytes as
-given. A request is sent once: `proxy.wire` never resends, and aiohttp's own resend of
-idempotent requests when a reused keep-alive connection drops is off, since the upstream
-may already have acted on the first. `slots` counts the pool's in-use and free connection
-slots. Which wire a client gets is chosen by whoever builds it (`create_app(transport=...)`);
-the app's default, `ServedTransport`, is httpx's own transport in-process and this one once
-served.
+`UpstreamTransport` is an `httpx.AsyncBaseTransport` that sends with one of them; both
+raise httpx's errors: refused -> ConnectError; connect/read/pool timeouts -> ConnectTimeout,
+ReadTimeout, PoolTimeout. httpx's write timeout is not applied. aiohttp is imported only
+when the transport is built with `https=True` (at start-up, from the configured URLs: the
+app's `lifespan`), never on a request: its import holds ~9 MB of RSS, and a transport built
+without it refuses https URLs (UnsupportedProtocol, a 502). aiohttp does not enforce
+`max_keepalive_connections` (idle ones expire after keepalive_expiry), `proxy.wire` does;
+both share one count of `max_connections` slots. Header bytes cross unchanged:
+`proxy.wire` writes them as given; aiohttp writes header text as UTF-8, so an https
+request whose header bytes are not UTF-8 (latin-1 from `requests` or Node) goes through
+httpx's own transport, which writes bytes as given. A request is sent once: neither wire
+resends it when a reused keep-alive connection drops, since the upstream may already have
+acted on the first. `slots` counts the pool's in-use and free connection slots. Which wire
+a client gets is chosen by whoever builds it (`create_app(transport=...)`); the app's
+default, `ServedTransport`, is httpx's own transport in-process and this one once served.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import logging
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import httpx
-from yarl import URL
 
 from proxy import wire
 from proxy.clearance import Clearance
 from proxy.egress import proxy_mounts
 from proxy.settings import UpstreamSettings
 
-# aiohttp adds these when absent; a proxy must send only what it was given.
-_SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
-_LARGE_BODY = 1 << 20  # aiohttp warns on bytes bodies above 1 MiB; BytesIO is sent in chunks
-_HTTP_11 = {"http_version": b"HTTP/1.1"}
+if TYPE_CHECKING:
+    from proxy.aiowire import AiohttpWire
 
 
 @dataclass(frozen=True)
@@ -97,32 +92,6 @@ if not any(isinstance(f, _Silenced) for f in _HTTPX_LOG.filters):
     _HTTPX_LOG.addFilter(_Silenced())
 
 
-@contextlib.contextmanager
-def _map_errors(*, sending: bool) -> Iterator[None]:
-    """aiohttp -> httpx exceptions. Subclasses first: the first matching clause wins."""
-    try:
-        yield
-    except aiohttp.ConnectionTimeoutError as exc:
-        raise httpx.ConnectTimeout(str(exc) or "connect timeout") from exc
-    except aiohttp.SocketTimeoutError as exc:
-        raise httpx.ReadTimeout(str(exc) or "read timeout") from exc
-    except aiohttp.ClientConnectorError as exc:  # refused, DNS, TLS
-        raise httpx.ConnectError(str(exc)) from exc
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-        raise httpx.RemoteProtocolError(str(exc) or "server disconnected") from exc
-    except aiohttp.ClientResponseError as exc:  # unparsable response
-        raise httpx.RemoteProtocolError(exc.message) from exc
-    except aiohttp.ClientConnectionResetError as exc:
-        raise httpx.WriteError(str(exc)) from exc
-    except (aiohttp.ClientConnectionError, OSError) as exc:
-        error = httpx.WriteError if sending else httpx.ReadError
-        raise error(str(exc) or type(exc).__name__) from exc
-    except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
-        raise httpx.UnsupportedProtocol(str(exc)) from exc
-    except aiohttp.ClientError as exc:
-        raise httpx.TransportError(str(exc) or type(exc).__name__) from exc
-
-
 class _NoCookies(httpx.Cookies):
     """A shared client keeps no upstream cookies: one user's would go to the next.
 
@@ -131,46 +100,6 @@ class _NoCookies(httpx.Cookies):
 
     def extract_cookies(self, response: httpx.Response) -> None:
         return None
-
-
-class _ResponseStream(httpx.AsyncByteStream):
-    """The body as it arrives; closing before the end closes the upstream connection."""
-
-    def __init__(self, response: aiohttp.ClientResponse, slot: _Slots) -> None:
-        self._response = response
-        self._slot: _Slots | None = slot
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        reader = self._response.content
-        with _map_errors(sending=False):
-            while True:
-                try:
-                    chunk = await reader.readany()
-                except aiohttp.ClientError:
-                    # readany() raises a stored failure before returning what it had already
-                    # buffered; hand those last bytes over first, as a direct client gets them.
-                    buffered = _buffered(reader)
-                    if buffered:
-                        yield buffered
-                    raise
-                if not chunk:
-                    return
-                yield chunk
-
-    async def read(self) -> bytes:
-        """The whole body (what iterating it would give, in one piece)."""
-        with _map_errors(sending=False):
-            return await self._response.content.read()
-
-    async def aclose(self) -> None:  # never suspends (see closes_at_once)
-        if self._slot is None:
-            return
-        self._slot.release()
-        self._slot = None
-        if self._response.content.at_eof():
-            self._response.release()  # back to the pool
-        else:
-            self._response.close()  # abort: the upstream sees the connection drop
 
 
 class _FallbackStream(httpx.AsyncByteStream):
@@ -193,30 +122,7 @@ class _FallbackStream(httpx.AsyncByteStream):
                 self._slot = None
 
 
-def _headers_for_aiohttp(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]] | None:
-    """The headers as aiohttp wants them (text it writes as UTF-8); None if that would change
-    a byte. Transfer-Encoding is aiohttp's to set for streamed bodies."""
-    try:
-        pairs = [(k.decode("utf-8"), v.decode("utf-8")) for k, v in raw]
-    except UnicodeDecodeError:
-        return None
-    return [(k, v) for k, v in pairs if k.lower() != "transfer-encoding"]
-
-
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_YARL_URLS: dict[str, URL] = {}
-
-
-def _yarl_url(url: httpx.URL) -> URL:
-    text = str(url)
-    parsed = _YARL_URLS.get(text)
-    if parsed is None:
-        parsed = URL(text, encoded=True)
-        if len(_YARL_URLS) >= 256:
-            _YARL_URLS.clear()
-        if not url.query:  # a query may carry a credential: not kept
-            _YARL_URLS[text] = parsed
-    return parsed
 
 
 def _headers_as_httpx_sends(
@@ -242,84 +148,52 @@ def _headers_as_httpx_sends(
     return auto + raw
 
 
-def _on_the_wire(
-    method: str, url: httpx.URL, headers: list[tuple[bytes, bytes]], content: bytes | None
-) -> list[bytes] | None:
-    """The request's bytes when `proxy.wire` carries it (a body of known length, or none, to
-    a plain-http upstream, not a HEAD; see there), else None: aiohttp's."""
-    method = method.upper()
-    if method == "HEAD" or url.scheme != "http":
-        return None
-    if any(name.lower() == b"transfer-encoding" for name, _ in headers):
-        return None
-    return wire.request_bytes(method, url, headers, content)
+_LENGTH_HEADERS = (b"content-length", b"transfer-encoding")
 
 
-def _waiting_for(clearance: Clearance) -> tuple[aiohttp.ClientMiddlewareType]:
-    """aiohttp's hook between building a request and connecting and writing it."""
-
-    async def middleware(
-        request: aiohttp.ClientRequest, handler: aiohttp.ClientHandlerType
-    ) -> aiohttp.ClientResponse:
-        await clearance.cleared()
-        return await handler(request)
-
-    return (middleware,)
-
-
-def _buffered(reader: aiohttp.StreamReader) -> bytes:
-    """Bytes received but not yet read, without the stored-exception check (private API)."""
-    read_nowait = getattr(reader, "_read_nowait", None)
-    if read_nowait is None:
-        return b""
-    try:
-        data = read_nowait(-1)
-    except Exception:
-        return b""
-    return data if isinstance(data, bytes) else b""
+def _streamed_head(
+    headers: list[tuple[bytes, bytes]],
+) -> tuple[list[tuple[bytes, bytes]], int | None]:
+    """The headers of a request whose body is streamed, as `proxy.wire` frames it, and the
+    body's length: its Content-Length when given without a Transfer-Encoding, else None and
+    the body chunked (`Transfer-Encoding: chunked` added unless given, as httpx adds it for
+    a body of unknown length; a Content-Length beside it dropped, as RFC 9112 asks)."""
+    codings = [value for name, value in headers if name.lower() == b"transfer-encoding"]
+    lengths = [value for name, value in headers if name.lower() == b"content-length"]
+    if not codings and len(lengths) == 1 and lengths[0].strip().isdigit():
+        return headers, int(lengths[0])
+    if codings and b",".join(codings).rstrip().lower().endswith(b"chunked"):
+        return [(name, value) for name, value in headers if name.lower() != b"content-length"], None
+    kept = [(name, value) for name, value in headers if name.lower() not in _LENGTH_HEADERS]
+    return [*kept, (b"Transfer-Encoding", b"chunked")], None
 
 
-def _retire(session: aiohttp.ClientSession) -> None:
-    """Drop a session whose event loop is gone (or not ours), without awaiting in it."""
-    connector = session.connector
-    session.detach()  # marks it closed: no "Unclosed client session" warning
-    if connector is not None:
-        with contextlib.suppress(RuntimeError):  # a closed loop cannot schedule anything
-            connector._close()  # sync part of close(): closes its sockets
+def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(name.lower() == b"transfer-encoding" for name, _ in headers)
 
 
 class UpstreamTransport(httpx.AsyncBaseTransport):
-    def __init__(self, limits: httpx.Limits) -> None:
+    """`https`: build the https wire (aiohttp) too; without it, https URLs are refused."""
+
+    def __init__(self, limits: httpx.Limits, *, https: bool = False) -> None:
         self._limits = limits
-        self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: _Slots | None = None
         self._fallback: httpx.AsyncHTTPTransport | None = None
-        self._timeouts: dict[tuple[Any, ...], aiohttp.ClientTimeout] = {}
         self._wire = self._new_wire_pool()
+        self._tls: AiohttpWire | None = None
+        if https:
+            from proxy.aiowire import AiohttpWire  # ~9 MB of RSS: only for an https upstream
+
+            self._tls = AiohttpWire(limits.keepalive_expiry)
+
+    @property
+    def https(self) -> bool:
+        """Built to carry https requests (aiohttp imported)."""
+        return self._tls is not None
 
     def _new_wire_pool(self) -> wire.WirePool:
         return wire.WirePool(self._limits.keepalive_expiry, self._limits.max_keepalive_connections)
-
-    def _new_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # the pool limit is `self._slots`, to raise PoolTimeout, not ConnectTimeout
-            keepalive_timeout=self._limits.keepalive_expiry,
-            ssl=httpx.create_ssl_context(),
-        )
-        session = aiohttp.ClientSession(
-            connector=connector,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=_SKIP_AUTO_HEADERS,
-            auto_decompress=False,  # aiter_raw() is the wire bytes; httpx decodes the rest
-            timeout=aiohttp.ClientTimeout(),
-            max_line_size=65536,
-            max_field_size=65536,
-        )
-        # No public switch: without it aiohttp resends GET/PUT/DELETE/... once by itself when a
-        # reused connection drops, after the upstream may have acted on the first one.
-        session._retry_connection = False
-        return session
 
     @property
     def slots(self) -> PoolSlots:
@@ -329,97 +203,80 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             return PoolSlots(in_use=0, free=limit)
         return self._slots.counts
 
-    def _timeout(self, timeouts: dict[str, float | None]) -> aiohttp.ClientTimeout:
-        key = (timeouts.get("connect"), timeouts.get("read"))
-        timeout = self._timeouts.get(key)
-        if timeout is None:  # DNS + TCP + TLS under `connect`; each socket read under `read`
-            timeout = aiohttp.ClientTimeout(connect=key[0], sock_connect=key[0], sock_read=key[1])
-            if len(self._timeouts) >= 64:
-                self._timeouts.clear()
-            self._timeouts[key] = timeout
-        return timeout
-
     def warm(self) -> None:
-        """Build the pool and its session in the running loop now, not on the first request
-        (the TLS context alone, certifi's bundle loaded, takes ~20 ms)."""
+        """Bind the pool to the running loop now, and build the https session if there is
+        one (the TLS context alone, certifi's bundle loaded, takes ~20 ms), not on the
+        first request."""
         self._bind_loop(asyncio.get_running_loop())
-        if self._session is None or self._session.closed:
-            self._session = self._new_session()
+        if self._tls is not None:
+            self._tls.warm()
 
     async def preconnect(self, url: httpx.URL, timeout_s: float) -> None:
         """Open one connection (TCP, and TLS for https) to `url`'s host and leave it idle in
         the pool, as a finished request would: the first request then skips the handshake.
         Not one byte of HTTP is written. Raises httpx's errors (ConnectError, ConnectTimeout).
-
-        A plain-http URL's connection is `proxy.wire`'s, which carries its requests. For
-        https, aiohttp has no call beyond `BaseConnector.connect` with a `ClientRequest` (both
-        exported; the request is only read for its connection key: host, port, TLS, proxy),
-        the same call its session makes before it writes a request."""
+        """
         self.warm()
         if url.scheme == "http":
             idle = await self._wire.connect((url.host, url.port or 80), timeout_s)
             self._wire.put(idle)
             return
-        session = self._session_here()
-        connector = session.connector
-        if connector is None:
-            return
-        request = aiohttp.ClientRequest(
-            "GET", _yarl_url(url), loop=asyncio.get_running_loop(), session=session
-        )
-        timeout = aiohttp.ClientTimeout(connect=timeout_s, sock_connect=timeout_s)
-        with _map_errors(sending=True):
-            connection = await connector.connect(request, [], timeout)
-        connection.release()  # back to the pool, idle; it expires after keepalive_expiry
+        await self._https_wire(url).preconnect(url, timeout_s)
+
+    def _https_wire(self, url: httpx.URL) -> AiohttpWire:
+        if url.scheme != "https":
+            raise httpx.UnsupportedProtocol(
+                f"the upstream URL's scheme {url.scheme!r} is not http(s)"
+            )
+        if self._tls is None:
+            raise httpx.UnsupportedProtocol(
+                "this upstream transport was built for plain-http upstreams only "
+                "(UpstreamTransport(https=True) carries https)"
+            )
+        return self._tls
 
     def _bind_loop(self, loop: asyncio.AbstractEventLoop) -> _Slots:
         if self._loop is not loop or self._slots is None:
             # Lazily, in the running loop: the app builds its client before the loop starts,
             # and in-process tests may run it in more than one loop.
-            if self._session is not None:
-                _retire(self._session)
-                self._session = None
+            if self._tls is not None:
+                self._tls.retire()
             self._wire.close()
             self._wire = self._new_wire_pool()
             self._slots = _Slots(self._limits.max_connections or 1 << 30)
             self._loop = loop
         return self._slots
 
-    def _session_here(self) -> aiohttp.ClientSession:
-        session = self._session
-        if session is None or session.closed:
-            session = self._session = self._new_session()
-        return session
-
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         slots = self._bind_loop(asyncio.get_running_loop())
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         await slots.acquire(timeouts.get("pool"))
         try:
-            if isinstance(request.stream, httpx.ByteStream):
-                wired = _on_the_wire(
-                    request.method, request.url, request.headers.raw, request.content
+            url, stream = request.url, request.stream
+            known = isinstance(stream, httpx.ByteStream)
+            if url.scheme == "http":
+                content = request.content if known else None
+                body = None if known else stream
+                assert body is None or isinstance(body, httpx.AsyncByteStream)
+                return await self._send_plain(
+                    request.method, url, request.headers.raw, content, body, timeouts, slots
                 )
-                if wired is not None:
-                    return await wire.send(self._wire, request.url, wired, timeouts, slots.release)
-            headers = _headers_for_aiohttp(request.headers.raw)
-            if headers is None:
-                return await self._send_fallback(request, slots)
+            tls = self._https_wire(url)
             # The bytes (None if empty), or an async iterable aiohttp sends chunked (or by
             # Content-Length).
-            data: Any = request.stream
-            if isinstance(data, httpx.ByteStream):
-                data = request.content or None
-            return await self._send(
-                self._session_here(),
+            data: Any = (request.content or None) if known else stream
+            response = await tls.send(
                 request.method,
-                URL(str(request.url), encoded=True),
-                headers,
+                url,
+                request.headers.raw,
                 data,
-                slots,
+                slots.release,
                 timeouts,
                 request.extensions.get("sni_hostname"),
             )
+            if response is None:  # not UTF-8: httpx's transport writes bytes as given
+                return await self._send_fallback(request, slots)
+            return response
         except BaseException:
             slots.release()
             raise
@@ -438,34 +295,62 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         same header bytes go out in the same order and the same errors come back. Nothing
         is written before `clearance` clears; what it raises comes out as raised."""
         raw = _headers_as_httpx_sends(method, url, headers, content)
-        data = _on_the_wire(method, url, raw, content)
-        text = None if data is not None else _headers_for_aiohttp(raw)
-        if data is None and text is None:  # not UTF-8: httpx's transport writes bytes as given
-            request = httpx.Request(method, url, headers=raw, content=content)
-            request.extensions["timeout"] = timeouts
-            if clearance is not None:
-                await clearance.cleared()
-            return await self.handle_async_request(request)
+        tls = None if url.scheme == "http" else self._https_wire(url)
         slots = self._bind_loop(asyncio.get_running_loop())
         await slots.acquire(timeouts.get("pool"))
         try:
-            if data is not None:
-                return await wire.send(self._wire, url, data, timeouts, slots.release, clearance)
-            assert text is not None
-            return await self._send(
-                self._session_here(),
-                method.upper(),
-                _yarl_url(url),
-                text,
-                content or None,
-                slots,
-                timeouts,
-                None,
-                None if clearance is None else _waiting_for(clearance),
+            if tls is None:
+                return await self._send_plain(
+                    method, url, raw, content, None, timeouts, slots, clearance
+                )
+            response = await tls.send(
+                method, url, raw, content or None, slots.release, timeouts, None, clearance
             )
+            if response is None:  # not UTF-8: httpx's transport writes bytes as given
+                request = httpx.Request(method, url, headers=raw, content=content)
+                request.extensions["timeout"] = timeouts
+                if clearance is not None:
+                    await clearance.cleared()
+                return await self._send_fallback(request, slots)
+            return response
         except BaseException:
             slots.release()
             raise
+
+    async def _send_plain(
+        self,
+        method: str,
+        url: httpx.URL,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | None,
+        body: httpx.AsyncByteStream | None,
+        timeouts: dict[str, float | None],
+        slots: _Slots,
+        clearance: Clearance | None = None,
+    ) -> httpx.Response:
+        """Over `proxy.wire`: a body of known length in one write (unless the headers say
+        Transfer-Encoding: then chunked, as they say), a streamed one as it comes."""
+        method = method.upper()
+        length = None
+        if body is None and content and _chunked(headers):
+            body = httpx.ByteStream(content)
+        if body is not None:
+            headers, length = _streamed_head(headers)
+            content = None
+        data = wire.request_bytes(method, url, headers, content)
+        if data is None:
+            raise httpx.LocalProtocolError("a request header holds a line break")
+        return await wire.send(
+            self._wire,
+            url,
+            data,
+            timeouts,
+            slots.release,
+            clearance,
+            head=method == "HEAD",
+            body=body,
+            length=length,
+        )
 
     async def _send_fallback(self, request: httpx.Request, slots: _Slots) -> httpx.Response:
         if self._fallback is None:
@@ -476,61 +361,25 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         response.stream = _FallbackStream(stream, slots)
         return response
 
-    async def _send(
-        self,
-        session: aiohttp.ClientSession,
-        method: str,
-        url: URL,
-        headers: list[tuple[str, str]],
-        data: Any,
-        slots: _Slots,
-        timeouts: dict[str, float | None],
-        sni_hostname: str | None,
-        middlewares: tuple[aiohttp.ClientMiddlewareType, ...] | None = None,
-    ) -> httpx.Response:
-        if isinstance(data, bytes) and len(data) > _LARGE_BODY:
-            data = io.BytesIO(data)
-        with _map_errors(sending=True):
-            response = await session.request(
-                method,
-                url,
-                headers=headers,
-                data=data,
-                allow_redirects=False,
-                timeout=self._timeout(timeouts),
-                server_hostname=sni_hostname,
-                middlewares=middlewares,
-            )
-        extensions = _HTTP_11
-        if response.reason:
-            reason = response.reason.encode("utf-8", errors="surrogateescape")
-            extensions = {**_HTTP_11, "reason_phrase": reason}
-        return httpx.Response(
-            response.status,
-            headers=response.raw_headers,
-            stream=_ResponseStream(response, slots),
-            extensions=extensions,
-        )
-
     async def aclose(self) -> None:
         self._wire.close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._tls is not None:
+            await self._tls.aclose()
         if self._fallback is not None:
             await self._fallback.aclose()
             self._fallback = None
 
 
 class ServedTransport(httpx.AsyncBaseTransport):
-    """httpx's own transport until the app is served, aiohttp's `UpstreamTransport` after.
+    """httpx's own transport until the app is served, `UpstreamTransport` after.
 
     In-process use (`httpx.ASGITransport`, which sends no lifespan events) goes through
     `httpx.AsyncHTTPTransport`, the layer respx (default mode), pytest-httpx and hand-written
     mocks patch, so they see every upstream request with no setup. A server (`compaction-proxy
     serve`, `uvicorn --factory`, each `--workers` process) runs the app's lifespan, whose
-    startup calls `serve()`: from then on requests take the fast aiohttp path. (A server
-    started with the lifespan off, `uvicorn --lifespan off`, keeps httpx's: slower, correct.)
+    startup calls `serve()`: from then on requests take the fast path (`proxy.wire`, and
+    aiohttp when an https URL is configured). (A server started with the lifespan off,
+    `uvicorn --lifespan off`, keeps httpx's: slower, correct.)
     """
 
     def __init__(self, limits: httpx.Limits) -> None:
@@ -546,23 +395,25 @@ class ServedTransport(httpx.AsyncBaseTransport):
     def limits(self) -> httpx.Limits:
         return self._limits
 
-    def serve(self) -> None:
+    def serve(self, *, https: bool = False) -> None:
+        """From now on, requests go over `UpstreamTransport` (`https`: built to carry https
+        too; see `needs_https`)."""
         if self._served is None:
-            self._served = UpstreamTransport(self._limits)
+            self._served = UpstreamTransport(self._limits, https=https)
 
     def warm(self) -> None:
-        """Once served: the pool's session built in the running loop (see UpstreamTransport)."""
+        """Once served: the pool bound to the running loop (see UpstreamTransport.warm)."""
         if self._served is not None:
             self._served.warm()
 
     @property
     def direct(self) -> UpstreamTransport | None:
-        """The aiohttp transport once served (None before: httpx's own carries requests)."""
+        """The app's own transport once served (None before: httpx's own carries requests)."""
         return self._served
 
     @property
     def slots(self) -> PoolSlots | None:
-        """The aiohttp pool's slots once served (httpx's own pool keeps no such count)."""
+        """The served pool's slots (httpx's own pool keeps no such count)."""
         return self._served.slots if self._served is not None else None
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -578,6 +429,18 @@ class ServedTransport(httpx.AsyncBaseTransport):
                 await transport.aclose()
 
 
+def needs_https(client: httpx.AsyncClient, urls: Iterable[str]) -> bool:
+    """Some of `urls` are https and `client` would send them over its own transport (not an
+    egress proxy's mount, see proxy.egress): that transport must be built with `https`."""
+    for text in urls:
+        url = httpx.URL(text)
+        if url.scheme == "https" and isinstance(
+            client._transport_for_url(url), UpstreamTransport | ServedTransport
+        ):
+            return True
+    return False
+
+
 def pool_slots(client: httpx.AsyncClient) -> PoolSlots | None:
     """The upstream pool's slot counts, when `client` runs on one of the transports here."""
     transport = client._transport
@@ -587,7 +450,7 @@ def pool_slots(client: httpx.AsyncClient) -> PoolSlots | None:
 
 
 def direct_transport(client: httpx.AsyncClient, url: httpx.URL) -> UpstreamTransport | None:
-    """The aiohttp transport that carries `client`'s request to `url`, when the client picks
+    """The app's own transport that carries `client`'s request to `url`, when the client picks
     it (so not a proxy mount, see proxy.egress, nor a mock that patches the client) and the
     app is served (see ServedTransport). Such a request can go to it without httpx building
     and sending it (`UpstreamTransport.send_bytes`)."""
@@ -610,7 +473,7 @@ def closes_at_once(response: httpx.Response) -> bool:
     return isinstance(response.stream, _DIRECT_STREAMS)
 
 
-_DIRECT_STREAMS = (_ResponseStream, wire.WireStream)
+_DIRECT_STREAMS = wire.DirectStream
 
 
 def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:
@@ -624,7 +487,8 @@ def upstream_limits(settings: UpstreamSettings) -> httpx.Limits:
 def create_upstream_client(
     settings: UpstreamSettings, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
-    """Build the app's shared client (over aiohttp unless given a transport).
+    """Build the app's shared client (over `UpstreamTransport`, built for https when the
+    base URL is, unless given a transport).
 
     With the app's own transports (this module's), egress proxies are mounted as httpx
     would mount them (`proxy.egress`); a transport of someone else's (a mock) carries every
@@ -634,7 +498,8 @@ def create_upstream_client(
     timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
     own = transport is None or isinstance(transport, UpstreamTransport | ServedTransport)
     client = httpx.AsyncClient(
-        transport=transport or UpstreamTransport(limits),
+        transport=transport
+        or UpstreamTransport(limits, https=httpx.URL(settings.base_url).scheme == "https"),
         mounts=proxy_mounts(settings, limits) if own else None,
         timeout=timeout,
         follow_redirects=False,

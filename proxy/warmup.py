@@ -2,14 +2,15 @@
 
 Run by the lifespan before the server listens, so no request waits for it:
 
-- the upstream pool's session (its TLS context loads certifi's bundle, ~20 ms);
+- the upstream pool bound to the loop (and for https, its aiohttp session: the TLS context
+  loads certifi's bundle, ~20 ms);
 - anyio's event-loop backend (imported on first use by the request path's task groups);
 - each built encoding's first encode (tiktoken's regex state);
 - a rehearsal: a few chat requests, plain and streamed, through a second app built from the
   same settings (and the same token counter) against a throwaway upstream on 127.0.0.1,
   served by uvicorn's HTTP protocol (the class `serve` uses) on a throwaway port. It runs
   the request path's code (uvicorn's parser and response cycle, middleware, parsing,
-  counting, compaction step, the aiohttp pool, the relay) until Python has specialised it,
+  counting, compaction step, the upstream pool, the relay) until Python has specialised it,
   without touching the real app's metrics, logs, store, quotas or pool: nothing is sent to
   the upstream. Skipped with `--workers` (prometheus' multiprocess files are shared by
   every app in a process);
@@ -39,11 +40,11 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 import anyio
 import httpx
 from starlette.applications import Starlette
 
+from proxy import wire
 from proxy.connections import ConnectionLimits
 from proxy.logs import access_log
 from proxy.metrics import Metrics, multiprocess_dir
@@ -148,13 +149,9 @@ async def rehearse(state: ProxyState, rounds: int = REHEARSALS) -> None:
     front_port = front.sockets[0].getsockname()[1]
     was_disabled, access_log.disabled = access_log.disabled, True
     try:
-        url = f"http://127.0.0.1:{front_port}/v1/chat/completions"
-        async with aiohttp.ClientSession() as client:  # one keep-alive connection
-            for _ in range(rounds):
-                for stream in (False, True):
-                    body = {"model": "warm-up", "messages": _MESSAGES, "stream": stream}
-                    async with client.post(url, json=body) as reply:
-                        await reply.read()
+        await _send_rehearsals(
+            httpx.URL(f"http://127.0.0.1:{front_port}/v1/chat/completions"), rounds
+        )
     finally:
         access_log.disabled = was_disabled
         front.close()
@@ -164,6 +161,34 @@ async def rehearse(state: ProxyState, rounds: int = REHEARSALS) -> None:
         await app.state.proxy.upstream.client.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def _send_rehearsals(url: httpx.URL, rounds: int) -> None:
+    """The rehearsal's client: `proxy.wire` on one keep-alive connection (no aiohttp import)."""
+    pool = wire.WirePool(None, 1)
+    try:
+        for _ in range(rounds):
+            for stream in (False, True):
+                body = json.dumps({"model": "warm-up", "messages": _MESSAGES, "stream": stream})
+                content = body.encode()
+                headers = [
+                    (b"host", url.netloc),
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(content)),
+                ]
+                data = wire.request_bytes("POST", url, headers, content)
+                assert data is not None
+                reply = await wire.send(pool, url, data, {"connect": 5.0, "read": 30.0}, _no_slot)
+                try:
+                    await reply.aread()
+                finally:
+                    await reply.aclose()
+    finally:
+        pool.close()
+
+
+def _no_slot() -> None:
+    """(The rehearsal's requests hold no pool slot.)"""
 
 
 async def _serve_protocol(

@@ -1,12 +1,14 @@
-"""A small HTTP/1.1 keep-alive client for the served chat path: asyncio.Protocol + httptools.
+"""A small HTTP/1.1 keep-alive client for plain-http upstreams: asyncio.Protocol + httptools.
 
-It carries one kind of request: a POST with a bytes body to a plain-http upstream reached
-directly (no egress proxy), its header bytes written exactly as given. Everything else
-(https, other methods, streamed request bodies, the summarizer's calls through httpx)
-stays on aiohttp (`proxy.transport`, which picks). Why: a small chat request through
-aiohttp builds a ClientRequest, a writer task, a StreamReader and a ClientResponse; here it
-is one write, one parser feed and one future, about a fifth fewer instructions for the
-whole proxied request (`python -m bench.memory instructions`).
+It carries every request to a plain-http upstream reached directly (no egress proxy), its
+header bytes written exactly as given: a body of known length in one write, a streamed one
+(an async iterable) as it arrives, and HEAD (whose reply has no body whatever its
+Content-Length says). https goes to aiohttp (`proxy.aiowire`), egress proxies to httpx
+(`proxy.transport` picks). Why: a small chat request through aiohttp builds a
+ClientRequest, a writer task, a StreamReader and a ClientResponse; here it is one write, one
+parser feed and one future, about a fifth fewer instructions for the whole proxied request
+(`python -m bench.memory instructions`); and a plain-http proxy need not import aiohttp
+(~9 MB of RSS).
 
 What it keeps of the aiohttp path: errors are httpx's (refused or unresolvable ->
 ConnectError; connect over `connect` -> ConnectTimeout; no byte for `read` seconds while
@@ -16,6 +18,16 @@ on a dropped keep-alive connection), the body is handed on as it arrives (readin
 above `HIGH_WATER` buffered bytes), and closing a reply before its end closes the
 connection, which the upstream sees. Idle connections are reused newest first, kept at
 most `keepalive_expiry` seconds and at most `max_idle` of them per host.
+
+A streamed request body is written by a task of its own (as aiohttp does), so a reply that
+comes before the body has all gone up (a 413, a 401) is read at once. Each piece is written
+as it comes, chunk-framed unless a Content-Length was given (then exactly that many bytes
+must come); while the socket's write buffer is over its high-water mark the next piece
+waits (up to `read` seconds for the upstream to take bytes: WriteTimeout). The read timeout
+starts once the body has gone. A body that fails (the client left mid-upload) or comes out
+longer or shorter than its Content-Length closes the connection without the body's end, so
+the upstream sees an incomplete request, and the reply's wait raises WriteError. A
+connection is kept only when both the body and the reply ended cleanly.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import contextlib
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import cast
 
 import httptools
@@ -54,6 +66,11 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._active = False  # an exchange is in progress
+        self._head = False  # the request is a HEAD: its reply ends with its headers
+        self._uploading: asyncio.Task[None] | None = None  # a streamed body being written
+        self._read_timeout: float | None = None
+        self._write_paused = False
+        self._drained: asyncio.Future[None] | None = None
         self._reusable = False
         self._timeout: float | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -107,6 +124,7 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
+        self._wake_writer()
         if not self._active or self.complete or self.error is not None:
             return
         if self.headers_done and not self._sized:  # a body delimited by the close
@@ -121,11 +139,12 @@ class Connection(asyncio.Protocol):
             error = f"{error}: {exc}"
         self._fail(httpx.RemoteProtocolError(error), close=False)
 
-    def pause_writing(self) -> None:  # the request is written whole; nothing to pause
-        pass
+    def pause_writing(self) -> None:  # (a body of known length is written whole regardless)
+        self._write_paused = True
 
     def resume_writing(self) -> None:
-        pass
+        self._write_paused = False
+        self._wake_writer()
 
     # -- httptools callbacks ----------------------------------------------------------------
 
@@ -150,9 +169,15 @@ class Connection(asyncio.Protocol):
             return
         self.status = status
         self.headers_done = True
+        if self._head:  # no body follows, whatever the headers say
+            self.complete = True
+            self._reusable = self._parser.should_keep_alive()
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self._head:  # bytes after a HEAD reply: the connection cannot be trusted
+            self._reusable = False
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self._paused and self._transport is not None:
@@ -164,21 +189,96 @@ class Connection(asyncio.Protocol):
         if self._informational:
             self._informational = False
             return
+        if self._head:
+            return
         self.complete = True
         self._reusable = self._parser.should_keep_alive()
         self._wake()
 
     # -- the exchange -----------------------------------------------------------------------
 
-    def send(self, data: list[bytes], read_timeout: float | None) -> None:
-        """Write the request (see request_bytes) and start a new reply."""
+    def send(
+        self,
+        data: list[bytes],
+        read_timeout: float | None,
+        *,
+        head: bool = False,
+        body: AsyncIterable[bytes] | None = None,
+        length: int | None = None,
+    ) -> None:
+        """Write the request (see request_bytes) and start a new reply; with `body`, start
+        writing it after `data` (`length`: its Content-Length; None: chunk-framed)."""
         assert self._transport is not None
         self._active = True
-        self._timeout = read_timeout
+        self._head = head
+        self._read_timeout = read_timeout
         if len(data) == 1:
             self._transport.write(data[0])
         else:
             self._transport.writelines(data)
+        if body is None:
+            self._timeout = read_timeout
+            return
+        self._timeout = None  # the read timeout starts once the body has gone
+        self._uploading = self._loop.create_task(self._upload(body, length))
+
+    async def _upload(self, body: AsyncIterable[bytes], length: int | None) -> None:
+        transport = self._transport
+        assert transport is not None
+        sent = 0
+        try:
+            async for chunk in body:
+                if not chunk:
+                    continue
+                if self.closed:
+                    raise httpx.WriteError("the upstream closed the connection during the upload")
+                sent += len(chunk)
+                if length is None:
+                    transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+                elif sent > length:
+                    raise httpx.LocalProtocolError(
+                        f"the request body is longer than its Content-Length ({length})"
+                    )
+                else:
+                    transport.write(chunk)
+                if self._write_paused:
+                    await self._drain()
+            if self.closed:
+                raise httpx.WriteError("the upstream closed the connection during the upload")
+            if length is None:
+                transport.write(b"0\r\n\r\n")
+            elif sent != length:
+                raise httpx.LocalProtocolError(
+                    f"the request body ended after {sent} of its {length} bytes (Content-Length)"
+                )
+        except httpx.TransportError as exc:
+            self._fail(exc)
+            return
+        except Exception as exc:  # the body's own source failed (its client left, mostly)
+            error = httpx.WriteError(f"the request body broke off: {type(exc).__name__}")
+            error.__cause__ = exc
+            self._fail(error)
+            return
+        self._uploading = None
+        self._timeout = self._read_timeout
+        waiter = self._waiter
+        if self._timeout is not None and waiter is not None and not waiter.done():
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_later(self._timeout, self._timed_out)
+
+    async def _drain(self) -> None:
+        """Until the socket's write buffer is below its low-water mark (or the connection is
+        gone); WriteTimeout after the read timeout without the upstream taking bytes."""
+        while self._write_paused and not self.closed:
+            drained = self._drained = self._loop.create_future()
+            try:
+                async with asyncio.timeout(self._read_timeout):
+                    await drained
+            except TimeoutError:
+                raise httpx.WriteTimeout("the upstream took no body bytes in time") from None
+            finally:
+                self._drained = None
 
     async def wait(self) -> None:
         """Until the parser or the connection says something new (or the read timeout)."""
@@ -214,8 +314,15 @@ class Connection(asyncio.Protocol):
             await self.wait()
 
     def finish(self) -> None:
-        """The reply is done with: back to the pool if it ended cleanly, else closed."""
-        if self.complete and self._reusable and not self.chunks and not self.closed:
+        """The reply is done with: back to the pool if it (and the request's body) ended
+        cleanly, else closed."""
+        if (
+            self.complete
+            and self._reusable
+            and not self.chunks
+            and not self.closed
+            and self._uploading is None
+        ):
             self._reset()
             self.pool.put(self)
         else:
@@ -223,18 +330,26 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self._reusable = False
+        uploading, self._uploading = self._uploading, None
+        if uploading is not None and uploading is not asyncio.current_task():
+            uploading.cancel()
         if not self.closed:
             self.closed = True
             self.pool.forget(self)
             if self._transport is not None:
                 self._transport.close()
+            self._wake_writer()
 
     def _reset(self) -> None:
         if self._paused and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()
+        if self._head:  # the parser still expects the body the headers announced
+            self._parser = httptools.HttpResponseParser(self)
+            self._head = False
         self._active = False
         self._timeout = None
+        self._read_timeout = None
         self._head_bytes = 0
         self._sized = False
         self.status = 0
@@ -248,6 +363,11 @@ class Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _wake_writer(self) -> None:
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
     def _fail(self, error: httpx.TransportError, *, close: bool = True) -> None:
         if self.error is None:
             self.error = error
@@ -260,7 +380,15 @@ class Connection(asyncio.Protocol):
         self._fail(httpx.ReadTimeout("read timeout"))
 
 
-class WireStream(httpx.AsyncByteStream):
+class DirectStream(httpx.AsyncByteStream):
+    """A reply's body read straight from the upstream's socket by one of the app's own wires
+    (this one, `proxy.aiowire`): `read()` takes the rest whole, and closing never suspends."""
+
+    async def read(self) -> bytes:
+        raise NotImplementedError
+
+
+class WireStream(DirectStream):
     """A reply's body from a `Connection`; closing it frees the pool slot and either keeps
     the connection (the reply ended cleanly) or closes it. Closing never suspends."""
 
@@ -393,11 +521,17 @@ async def send(
     timeouts: dict[str, float | None],
     release: Callable[[], None],
     clearance: Clearance | None = None,
+    *,
+    head: bool = False,
+    body: AsyncIterable[bytes] | None = None,
+    length: int | None = None,
 ) -> httpx.Response:
     """`data` (see request_bytes) to `url`'s host; returns once the reply's headers are in.
     `release` is called when the reply is closed (on a failure here, the caller keeps it).
     With `clearance`, the connection is taken (or opened) first and nothing is written
-    until it clears; refused, the connection goes back to the pool unused."""
+    until it clears; refused, the connection goes back to the pool unused. `head`: the
+    request is a HEAD. `body`: a streamed body, written after `data` (its head) as it comes,
+    with `length` its Content-Length (None: `data` says Transfer-Encoding: chunked)."""
     key = (url.host, url.port or 80)
     connection = pool.take(key)
     if connection is None:
@@ -411,7 +545,7 @@ async def send(
         if connection.closed:  # the upstream closed it meanwhile, before a byte was written
             connection = pool.take(key) or await pool.connect(key, timeouts.get("connect"))
     try:
-        connection.send(data, timeouts.get("read"))
+        connection.send(data, timeouts.get("read"), head=head, body=body, length=length)
         while not connection.headers_done:
             if connection.error is not None:
                 raise connection.error

@@ -19,6 +19,7 @@ from tests.conftest import make_settings, until
 from tests.fault_upstream import (
     FaultUpstream,
     RawReply,
+    chunk,
     fault_upstream,
     http_request,
     raw_request,
@@ -77,9 +78,27 @@ class Rig:
         request = http_request("POST", b"/v1/chat/completions" + QUERY, headers=headers, body=body)
         return await raw_request(self.port, request)
 
-    async def get(self, target: bytes, fault: str = "") -> RawReply:
+    async def get(self, target: bytes, fault: str = "", *, method: str = "GET") -> RawReply:
         headers = [*CREDENTIALS] + ([(b"x-fault", fault.encode())] if fault else [])
-        return await raw_request(self.port, http_request("GET", target, headers=headers))
+        return await raw_request(self.port, http_request(method, target, headers=headers))
+
+    async def upload(self, fault: str, pieces: list[bytes]) -> RawReply:
+        """A chunked POST /v1/files: streamed on to the upstream as it comes."""
+        return await raw_request(self.port, upload_request(fault, pieces))
+
+
+def upload_request(fault: str, pieces: list[bytes], *, end: bool = True) -> bytes:
+    """A streamed upload (Transfer-Encoding: chunked) as raw bytes; `end`: with its last
+    chunk (without it the body never ends)."""
+    headers = [
+        *CREDENTIALS,
+        (b"content-type", b"application/octet-stream"),
+        (b"transfer-encoding", b"chunked"),
+    ]
+    if fault:
+        headers.append((b"x-fault", fault.encode()))
+    head = http_request("POST", b"/v1/files" + QUERY, headers=headers)
+    return head + b"".join(map(chunk, pieces)) + (b"0\r\n\r\n" if end else b"")
 
 
 @contextlib.asynccontextmanager

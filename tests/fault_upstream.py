@@ -16,7 +16,7 @@ import contextlib
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,8 @@ class FaultUpstream:
     active: int = 0  # replies being written or held
     cut_by_peer: int = 0  # holds that ended because the proxy closed the connection
     headers_out: int = 0  # replies whose status and headers went out before a hold
+    heads_in: int = 0  # request heads read (a body may still be on its way)
+    cut_mid_request: int = 0  # connections closed while a request's body was still coming
     connections: int = 0  # accepted so far
     connected: asyncio.Event = field(default_factory=asyncio.Event)  # one was accepted
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -114,7 +116,11 @@ class FaultUpstream:
         connection = self.connections
         try:
             while True:
-                seen = await _read_request(reader)
+                try:
+                    seen = await _read_request(reader, self._head_in)
+                except asyncio.IncompleteReadError:
+                    self.cut_mid_request += 1
+                    return
                 if seen is None:
                     return
                 seen.connection = connection
@@ -132,6 +138,9 @@ class FaultUpstream:
             return
         finally:
             writer.close()
+
+    def _head_in(self) -> None:
+        self.heads_in += 1
 
     async def _hold(self, reader: asyncio.StreamReader) -> None:
         """Until the peer closes the connection or the test releases (bounded)."""
@@ -156,8 +165,18 @@ class FaultUpstream:
     ) -> bool:
         """Write the reply the fault asks for; False when the connection must end."""
         fault = self._fault_of(seen)
-        if fault == "ok":
+        if fault == "ok" and seen.method == b"HEAD":  # the headers a GET gets, no body
+            length = b"%d" % len(REPLY_BYTES)
+            headers = [(b"content-type", b"application/json"), (b"content-length", length)]
+            writer.write(_head(200, headers))
+        elif fault == "ok":
             writer.write(_reply(200, [(b"content-type", b"application/json")], REPLY_BYTES))
+        elif fault == "reject-upload":  # answered from the head alone, the body left unread
+            body = json.dumps({"error": {"message": "too large", "type": "invalid"}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            writer.write(_reply(413, headers, body))
+            await writer.drain()
+            return False
         elif fault == "summary":
             body = json.dumps(SUMMARY).encode()
             writer.write(_reply(200, [(b"content-type", b"application/json")], body))
@@ -191,7 +210,7 @@ class FaultUpstream:
             return False
         elif fault in ("stall-mid-stream", "reset-mid-stream"):
             headers = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
-            writer.write(_head(200, headers) + _chunk(b'data: {"choices":[]}\n\n'))
+            writer.write(_head(200, headers) + chunk(b'data: {"choices":[]}\n\n'))
             await writer.drain()
             self.headers_out += 1
             if fault == "stall-mid-stream":
@@ -207,18 +226,23 @@ class FaultUpstream:
         return True
 
 
-async def _read_request(reader: asyncio.StreamReader) -> Seen | None:
+async def _read_request(reader: asyncio.StreamReader, head_in: Callable[[], None]) -> Seen | None:
+    """One request (None: the peer closed between requests); IncompleteReadError when it
+    closes mid-body. `head_in` is called once the head has been read."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError:
         return None
+    head_in()
     lines = head[:-4].split(b"\r\n")
     method, target, _ = lines[0].split(b" ", 2)
     headers = [tuple(line.split(b":", 1)) for line in lines[1:]]
     pairs = [(k.strip(), v.strip()) for k, v in headers]  # type: ignore[misc]
     found = dict((k.lower(), v) for k, v in pairs)
     body = b""
-    if b"content-length" in found:
+    if found.get(b"x-fault") == b"reject-upload":
+        pass
+    elif b"content-length" in found:
         body = await reader.readexactly(int(found[b"content-length"]))
     elif found.get(b"transfer-encoding", b"").lower() == b"chunked":
         parts = []
@@ -241,7 +265,7 @@ def _reply(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> byte
     return _head(status, [*headers, (b"content-length", b"%d" % len(body))]) + body
 
 
-def _chunk(data: bytes) -> bytes:
+def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 

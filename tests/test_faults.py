@@ -17,13 +17,24 @@ from collections.abc import Iterator
 import pytest
 
 from tests.conftest import until
-from tests.fault_rig import CHAT, CREDENTIALS, QUERY, SECRETS, SLOTS, TIMES, assert_no_secrets, rig
+from tests.fault_rig import (
+    CHAT,
+    CREDENTIALS,
+    QUERY,
+    SECRETS,
+    SLOTS,
+    TIMES,
+    assert_no_secrets,
+    rig,
+    upload_request,
+)
 from tests.fault_upstream import (
     ODD_HEADERS,
     REPLY_BYTES,
     RawReply,
     assert_envelope,
     http_request,
+    raw_request,
     read_one_reply,
 )
 
@@ -204,3 +215,65 @@ async def test_the_clients_keep_alive_connection_survives_odd_reply_headers() ->
             writer.close()
         assert len(r.upstream.seen) == 3
         await r.settled()
+
+
+async def test_head_requests_get_the_headers_and_no_body_on_a_kept_connection() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            reply = await r.get(b"/v1/models" + QUERY, method="HEAD")
+            assert (reply.status, reply.body) == (200, b"")
+            assert reply.header(b"content-type") == b"application/json"
+        assert (await r.get(b"/v1/models", "slow-first-byte", method="HEAD")).status == 504
+        assert (await r.get(b"/v1/models", "drop", method="HEAD")).status == 502
+        await r.settled()
+        heads = r.upstream.requests_for(b"/models")
+        assert [s.method for s in heads] == [b"HEAD"] * (TIMES + 2)
+        assert len({s.connection for s in heads[:TIMES]}) == 1  # each reply ended cleanly
+
+
+async def test_a_streamed_upload_reaches_the_upstream_whole_on_a_kept_connection() -> None:
+    pieces = [bytes([i]) * 5000 for i in range(40)]
+    async with rig() as r:
+        for _ in range(TIMES):
+            reply = await r.upload("", pieces)
+            assert (reply.status, reply.body) == (200, REPLY_BYTES)
+        await r.settled()
+        uploads = r.upstream.requests_for(b"/files")
+        assert [s.body for s in uploads] == [b"".join(pieces)] * TIMES
+        assert {s.header(b"transfer-encoding") for s in uploads} == {b"chunked"}
+        assert len({s.connection for s in uploads}) == 1
+
+
+async def test_streamed_uploads_meet_upstream_faults_as_other_requests_do() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            assert_envelope(await r.upload("slow-first-byte", [b"x"]), 504, "upstream_timeout")
+            assert_envelope(await r.upload("truncated", [b"x"]), 502, "upstream_broke_off")
+            assert_envelope(await r.upload("drop", [b"x"]), 502, "upstream_unreachable")
+            limited = await r.upload("rate-limited", [b"x"])
+            assert (limited.status, limited.header(b"retry-after")) == (429, b"7")
+        await r.settled()
+
+
+async def test_a_reply_before_the_upload_has_ended_is_relayed() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            request = upload_request("reject-upload", [b"first"], end=False)  # never ends
+            refused = await raw_request(r.port, request)
+            assert refused.status == 413
+            assert refused.json()["error"]["message"] == "too large"
+        await r.settled()
+
+
+async def test_a_client_leaving_mid_upload_aborts_the_upstream_request() -> None:
+    async with rig() as r:
+        for _ in range(TIMES):
+            heads, cut = r.upstream.heads_in, r.upstream.cut_mid_request
+            _, writer = await asyncio.open_connection("127.0.0.1", r.port)
+            writer.write(upload_request("", [b"first piece"], end=False))
+            await writer.drain()
+            await until(lambda h=heads: r.upstream.heads_in == h + 1)  # type: ignore[misc]
+            writer.close()
+            await until(lambda c=cut: r.upstream.cut_mid_request == c + 1)  # type: ignore[misc]
+        await r.settled()
+        assert r.upstream.requests_for(b"/files") == []  # none reached the upstream whole

@@ -142,9 +142,56 @@ def free_port() -> Iterator[int]:
     yield port
 
 
-def test_the_client_uses_the_aiohttp_transport() -> None:
+def test_the_client_uses_the_apps_own_transport_built_for_https_only_when_asked() -> None:
     client = client_for("http://127.0.0.1:1")
     assert isinstance(client._transport, UpstreamTransport)
+    assert not client._transport.https
+    tls = client_for("https://127.0.0.1:1")._transport
+    assert isinstance(tls, UpstreamTransport) and tls.https
+
+
+async def test_a_transport_built_for_plain_http_refuses_https_urls() -> None:
+    async with client_for("http://127.0.0.1:1") as client:
+        with pytest.raises(httpx.UnsupportedProtocol, match="plain-http"):
+            await client.get("https://127.0.0.1:1/v1/models")
+        transport = client._transport
+        assert isinstance(transport, UpstreamTransport)
+        assert transport.slots.in_use == 0
+
+
+@pytest.mark.parametrize(
+    ("upstream", "summarizer", "env_proxy", "expected"),
+    [
+        ("http://up.test/v1", None, None, False),
+        ("https://up.test/v1", None, None, True),
+        ("http://up.test/v1", "https://summaries.test/v1", None, True),
+        ("https://up.test/v1", None, "http://egress.test:3128", False),  # httpx's mount
+    ],
+)
+def test_the_served_transport_is_built_for_https_when_a_url_reached_directly_is(
+    monkeypatch: pytest.MonkeyPatch,
+    upstream: str,
+    summarizer: str | None,
+    env_proxy: str | None,
+    expected: bool,
+) -> None:
+    if env_proxy is not None:
+        monkeypatch.setenv("HTTPS_PROXY", env_proxy)
+    settings = Settings.model_validate(
+        {
+            "upstream": {"base_url": upstream},
+            "compaction": {"summarizer": {"base_url": summarizer}},
+            "server": {"warm_connect_s": 0},
+        }
+    )
+    app = create_app(settings)
+
+    async def start() -> bool | None:
+        async with app.router.lifespan_context(app):
+            direct = direct_transport(app.state.proxy.upstream.client, httpx.URL("http://up.test"))
+            return None if direct is None else direct.https
+
+    assert asyncio.run(start()) is expected
 
 
 def test_one_client_works_across_event_loops() -> None:
@@ -158,7 +205,7 @@ def test_one_client_works_across_event_loops() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert asyncio.run(roundtrip()) == 3
-        assert asyncio.run(roundtrip()) == 3  # a new loop: a new aiohttp session
+        assert asyncio.run(roundtrip()) == 3  # a new loop: a new pool
         asyncio.run(client.aclose())
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
@@ -375,7 +422,7 @@ async def test_the_app_in_process_is_intercepted_by_respx_without_setup() -> Non
     assert route.called
 
 
-async def test_a_served_app_sends_over_aiohttp_which_respx_does_not_patch(
+async def test_a_served_app_sends_over_its_own_wire_which_respx_does_not_patch(
     upstream: Upstream,
 ) -> None:
     settings = Settings.model_validate({"upstream": {"base_url": upstream.url}})
@@ -408,7 +455,7 @@ async def test_an_injected_transport_carries_every_upstream_request() -> None:
 
 async def test_respx_using_httpx_intercepts_a_served_app_too() -> None:
     # The lifespan running in-process (TestClient as a context manager, asgi-lifespan) puts
-    # the app on aiohttp; respx's httpx mode patches the client itself, so it still sees all.
+    # the app on its own wire; respx's httpx mode patches the client itself, so it still sees all.
     settings = Settings.model_validate({"upstream": {"base_url": "http://upstream.test/v1"}})
     app = create_app(settings)
     with respx.mock(using="httpx", base_url="http://upstream.test/v1") as router:
@@ -434,7 +481,7 @@ async def test_respx_using_httpx_intercepts_a_served_app_too() -> None:
 async def test_a_request_sent_without_httpx_goes_out_as_httpx_would_send_it(
     upstream: Upstream, method: str, headers: list[tuple[bytes, bytes]], content: bytes | None
 ) -> None:
-    # The served proxy hands its requests straight to the aiohttp transport; the upstream
+    # The served proxy hands its requests straight to its own transport; the upstream
     # must see the same header bytes, in the same order, as through httpx's own client.
     url = httpx.URL(f"{upstream.url}/echo")
     async with client_for(upstream.url) as client:

@@ -240,3 +240,266 @@ def test_headers_that_would_break_the_framing_are_not_written() -> None:
     assert wire.request_bytes("POST", url, [(b"x-a", b"1")], b"{}") is not None
     for name, value in ((b"x-a", b"1\r\nx-b: 2"), (b"x-a", b"1\n"), (b"x\rb", b"1")):
         assert wire.request_bytes("POST", url, [(name, value)], b"{}") is None
+
+
+# -- HEAD ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [b"content-length: 1234", b"transfer-encoding: chunked", b"content-length: 0"],
+    ids=["sized", "chunked", "empty"],
+)
+async def test_a_head_reply_has_no_body_and_keeps_the_connection(framing: bytes) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%s\r\n\r\n" % framing
+    async with scripted(lambda n: head if n % 2 else OK) as (upstream, client):
+        for _ in range(2):
+            reply = await client.head("/files/f1")
+            assert reply.status_code == 200 and reply.content == b""
+            assert reply.headers["content-type"] == "application/json"
+            assert (await client.post("/chat", content=b"{}")).content == b"{}"
+    assert upstream.connections == 1
+    assert [r.split(b" ", 1)[0] for r in upstream.requests] == [b"HEAD", b"POST"] * 2
+
+
+async def test_bytes_after_a_head_reply_retire_the_connection() -> None:
+    with_body = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"  # a body HEAD must not get
+    async with scripted(lambda n: with_body if n == 1 else OK) as (upstream, client):
+        reply = await client.head("/files/f1")
+        assert reply.status_code == 200 and reply.content == b""
+        assert (await client.post("/chat", content=b"{}")).content == b"{}"
+    assert upstream.connections == 2
+
+
+# -- streamed request bodies --------------------------------------------------------------
+
+
+@dataclass
+class Receiving:
+    """An upstream that reads one request's body piece by piece as it comes (chunked or by
+    Content-Length), and answers `reply` once the body has ended (or at once with `early`)."""
+
+    reply: bytes = OK
+    early: bool = False  # answer after the head, without reading the body
+    read: bool = True  # False: read nothing past the head until `go` is set
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    head: bytes = b""
+    pieces: list[bytes] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # a piece came
+    ended: bool = False  # the body came to its end
+    cut: bool = False  # the connection closed before the body's end
+    connections: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        in_body = False
+        try:
+            while True:
+                self.head = await reader.readuntil(b"\r\n\r\n")
+                if self.early:
+                    writer.write(self.reply)
+                    await writer.drain()
+                    break
+                if not self.read:
+                    await self.go.wait()
+                in_body = True
+                await self._body(reader)
+                in_body = False
+                self.ended = True
+                writer.write(self.reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.cut = in_body
+        finally:
+            writer.close()
+
+    async def _body(self, reader: asyncio.StreamReader) -> None:
+        lines = self.head.lower().split(b"\r\n")
+        length = next((int(ln[15:]) for ln in lines if ln.startswith(b"content-length:")), None)
+        if length is not None:
+            while length:
+                piece = await reader.read(min(length, 65536))
+                if not piece:
+                    raise asyncio.IncompleteReadError(b"", length)
+                length -= len(piece)
+                self._got(piece)
+            return
+        while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+            self._got(await reader.readexactly(size))
+            await reader.readexactly(2)
+        await reader.readexactly(2)
+
+    def _got(self, piece: bytes) -> None:
+        self.pieces.append(piece)
+        self.arrived.set()
+
+
+@contextlib.asynccontextmanager
+async def receiving(
+    upstream: Receiving, **settings: float
+) -> AsyncIterator[tuple[UpstreamTransport, httpx.AsyncClient]]:
+    server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = create_upstream_client(UpstreamSettings(base_url=url, **settings))  # type: ignore[arg-type]
+    client.base_url = httpx.URL(url)
+    transport = client._transport
+    assert isinstance(transport, UpstreamTransport)
+    try:
+        async with client:
+            yield transport, client
+    finally:
+        server.close()
+
+
+async def test_a_streamed_body_goes_up_chunked_as_it_arrives() -> None:
+    upstream = Receiving()
+    async with receiving(upstream) as (transport, client):
+
+        async def body() -> AsyncIterator[bytes]:
+            for i in range(3):
+                upstream.arrived.clear()
+                yield b"piece %d;" % i
+                async with asyncio.timeout(5):  # the piece is upstream before the next exists
+                    await upstream.arrived.wait()
+
+        reply = await client.post("/v1/files", content=body())
+        assert reply.status_code == 200 and reply.content == b"{}"
+        assert b"transfer-encoding: chunked" in upstream.head.lower()
+        assert b"content-length" not in upstream.head.lower()
+        assert upstream.pieces == [b"piece 0;", b"piece 1;", b"piece 2;"]
+        assert (await client.post("/chat", content=b"{}")).content == b"{}"  # kept alive
+        assert transport.slots.in_use == 0
+    assert upstream.connections == 1
+
+
+async def test_a_streamed_body_with_a_content_length_goes_up_as_is() -> None:
+    upstream = Receiving()
+    async with receiving(upstream) as (_, client):
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"abc"
+            yield b""
+            yield b"defg"
+
+        reply = await client.post("/v1/files", content=body(), headers={"content-length": "7"})
+        assert reply.status_code == 200
+        assert b"content-length: 7" in upstream.head.lower()
+        assert b"transfer-encoding" not in upstream.head.lower()
+        assert b"".join(upstream.pieces) == b"abcdefg"
+        assert (await client.post("/chat", content=b"{}")).content == b"{}"
+    assert upstream.connections == 1
+
+
+@pytest.mark.parametrize("pieces", [[b"abc"], [b"abcdefgh"]], ids=["short", "long"])
+async def test_a_body_unlike_its_content_length_aborts_the_request(pieces: list[bytes]) -> None:
+    upstream = Receiving()
+    async with receiving(upstream) as (transport, client):
+
+        async def body() -> AsyncIterator[bytes]:
+            for piece in pieces:
+                yield piece
+
+        with pytest.raises(httpx.LocalProtocolError, match="Content-Length"):
+            await client.post("/v1/files", content=body(), headers={"content-length": "7"})
+        async with asyncio.timeout(5):
+            while not upstream.cut:  # noqa: ASYNC110 - the upstream's own state
+                await asyncio.sleep(0.005)
+        assert not upstream.ended
+        assert transport.slots.in_use == 0
+
+
+async def test_a_body_that_fails_mid_upload_aborts_the_upstream_request() -> None:
+    upstream = Receiving()
+    async with receiving(upstream) as (transport, client):
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"first piece"
+            async with asyncio.timeout(5):
+                await upstream.arrived.wait()
+            raise ConnectionResetError("the client left")  # as a departing client's body does
+
+        with pytest.raises(httpx.WriteError, match="broke off"):
+            await client.post("/v1/files", content=body())
+        async with asyncio.timeout(5):
+            while not upstream.cut:  # noqa: ASYNC110 - the upstream's own state
+                await asyncio.sleep(0.005)
+        assert not upstream.ended  # no last chunk: the upstream knows the body is incomplete
+        assert upstream.pieces == [b"first piece"]
+        assert transport.slots.in_use == 0
+        upstream.cut = False
+        assert (await client.post("/chat", content=b"{}")).content == b"{}"  # a new connection
+    assert upstream.connections == 2
+
+
+async def test_a_reply_before_the_body_has_gone_is_read_and_the_upload_stopped() -> None:
+    refusal = b"HTTP/1.1 413 Payload Too Large\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
+    upstream = Receiving(reply=refusal, early=True)
+    stopped = asyncio.Event()
+    async with receiving(upstream) as (transport, client):
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield b"first piece"
+                await asyncio.Event().wait()  # the rest never comes
+                yield b"never"
+            finally:
+                stopped.set()
+
+        async with asyncio.timeout(5):
+            reply = await client.post("/v1/files", content=body())
+            assert (reply.status_code, reply.content) == (413, b"{}")
+            await stopped.wait()  # closing the reply ended the upload
+        assert transport.slots.in_use == 0
+
+
+async def test_an_upstream_that_reads_nothing_holds_a_bounded_part_of_the_body() -> None:
+    upstream = Receiving(read=False)
+    total, piece = 64 * 2**20, b"z" * 65536
+    produced = 0
+    async with receiving(upstream, timeout_s=60) as (transport, client):
+
+        async def body() -> AsyncIterator[bytes]:
+            nonlocal produced
+            while produced < total:
+                produced += len(piece)
+                yield piece
+
+        sending = asyncio.ensure_future(client.post("/v1/files", content=body()))
+
+        def paused() -> bool:
+            return any(connection._write_paused for connection in transport._wire._open)
+
+        async with asyncio.timeout(10):
+            while not paused():  # noqa: ASYNC110 - the socket's own state
+                await asyncio.sleep(0.005)
+        for _ in range(50):  # the loop runs on: nothing more is asked of the body
+            await asyncio.sleep(0)
+        held = produced
+        assert held < total // 4  # socket buffers and one piece, not the whole body
+        upstream.go.set()
+        async with asyncio.timeout(30):
+            reply = await sending
+        assert reply.status_code == 200
+        assert sum(map(len, upstream.pieces)) == total
+
+
+async def test_the_read_timeout_starts_once_the_body_has_gone() -> None:
+    upstream = Receiving()
+    async with receiving(upstream, timeout_s=0.3) as (_, client):
+
+        async def slow_body() -> AsyncIterator[bytes]:
+            for i in range(3):  # a client sending slower than the read timeout
+                yield b"piece %d;" % i
+                await asyncio.sleep(0.2)
+
+        reply = await client.post("/v1/files", content=slow_body())
+        assert reply.status_code == 200
+        assert len(upstream.pieces) == 3
+        upstream.reply = b""  # now the reply never comes
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"x"
+
+        async with asyncio.timeout(5):
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/files", content=body())

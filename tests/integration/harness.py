@@ -176,7 +176,7 @@ class FakeUpstream:
         route = (request.method, request.path)
         if route == ("POST", "/v1/chat/completions"):
             await self.chat(state, request, receive, send)
-        elif route == ("GET", "/v1/models"):
+        elif route in (("GET", "/v1/models"), ("HEAD", "/v1/models")):  # (uvicorn: no HEAD body)
             data = [
                 {"id": m, "object": "model", "created": CREATED, "owned_by": "fake"} for m in MODELS
             ]

@@ -4,9 +4,10 @@ SDK reads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -110,3 +111,41 @@ def test_file_upload_larger_than_the_read_limit_is_streamed_through(
     assert uploaded.bytes == len(PAYLOAD)
     [got] = fake_upstream.requests
     check_upload(got, sent.last)
+
+
+def test_head_gets_the_headers_without_a_body(proxy_url: str, fake_upstream: FakeUpstream) -> None:
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=WAIT_S) as client:
+        for _ in range(3):
+            head = client.head(f"{proxy_url}/models", headers=auth)
+            assert (head.status_code, head.content) == (200, b"")
+            assert head.headers["content-type"] == "application/json"
+            listed = client.get(f"{proxy_url}/models", headers=auth)  # the proxy still serves
+            assert [model["id"] for model in listed.json()["data"]] == MODELS
+    assert [got.method for got in fake_upstream.requests] == ["HEAD", "GET"] * 3
+
+
+def test_a_chunked_upload_is_streamed_through_as_sent(
+    proxy_url: str, fake_upstream: FakeUpstream
+) -> None:
+    form = httpx.Request(
+        "POST", proxy_url, files={"file": ("payload.bin", PAYLOAD)}, data={"purpose": "batch"}
+    )
+    body = form.read()
+
+    def pieces() -> Iterator[bytes]:  # no length known: the client sends it chunked
+        for start in range(0, len(body), 1000):
+            yield body[start : start + 1000]
+
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": form.headers["content-type"]}
+    with httpx.Client(timeout=WAIT_S) as client:
+        reply = client.post(f"{proxy_url}/files", content=pieces(), headers=headers)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["bytes"] == len(PAYLOAD)
+    [got] = fake_upstream.requests
+    assert got.header("transfer-encoding") == "chunked"
+    assert got.body == body
+    assert parse_multipart(got.header("content-type") or "", got.body)["file"] == (
+        "payload.bin",
+        PAYLOAD,
+    )
