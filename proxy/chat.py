@@ -90,8 +90,12 @@ async def chat_completions(request: Request) -> Response:
         if memo is None:  # (a kept body's messages are the memo's, and freed with it)
             await discard_messages(body)  # sent: only `model` is read from here on
     except ProxyError as exc:
+        if exchange.forwarded:  # an upstream failure (502/504) after the quota charge
+            unanswered(exchange, sent=not exc.unsent)
         return exchange.error(exc, exchange.compaction_headers())
     except ClientDisconnected:
+        if exchange.forwarded:
+            unanswered(exchange, sent=True)
         return exchange.disconnected()
     headers = exchange.compaction_headers()
     if caller.key is None:
@@ -99,6 +103,16 @@ async def chat_completions(request: Request) -> Response:
     outcome = exchange.outcome or Outcome()
     tap = state.meter.tap(caller.key.id, model, outcome, hide_usage=hide_usage)
     return await exchange.relay(response, headers, tap, raw_headers=quota)
+
+
+def unanswered(exchange: Exchange, *, sent: bool) -> None:
+    """A keyed request let go upstream got no reply: its usage is recorded all the same
+    (see ChatTap.unanswered), so a key's usage counts every request its quota counted."""
+    caller = exchange.caller
+    if caller is not None and caller.key is not None:
+        model = exchange.record.model or ""
+        outcome = exchange.outcome or Outcome()
+        exchange.state.meter.tap(caller.key.id, model, outcome, hide_usage=False).unanswered(sent)
 
 
 def compacts(request: Request, caller: Caller, settings: Settings) -> bool:

@@ -22,6 +22,7 @@ class ProxyError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        unsent: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,6 +31,9 @@ class ProxyError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        # An upstream failure known to come before any byte of the request was written
+        # (connect refused or timed out, no pool slot): the upstream cannot bill for it.
+        self.unsent = unsent
 
     def response(self, extra_headers: Mapping[str, str] | None = None) -> JSONResponse:
         """The envelope; this error's own headers win over `extra_headers`."""

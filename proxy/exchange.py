@@ -145,7 +145,8 @@ def _request_id(raw_headers: Iterable[tuple[bytes, bytes]]) -> str:
 
 
 class _Timed:
-    """A clearance that notes when it cleared: the upstream request goes out then."""
+    """A clearance that notes when it cleared: the upstream request goes out then
+    (`cleared_at`: 0 not asked yet, -1 asked and not cleared)."""
 
     __slots__ = ("clearance", "cleared_at", "record")
 
@@ -157,6 +158,7 @@ class _Timed:
     async def cleared(self) -> None:
         if self.cleared_at:
             return
+        self.cleared_at = -1.0  # asked: a refusal, once raised, stays one (not cleared)
         await self.clearance.cleared()
         record = self.record
         self.cleared_at = now = time.perf_counter()
@@ -170,6 +172,8 @@ class Exchange:
     """A route handler's view of its request. Build one at the top of the handler."""
 
     __slots__ = (
+        "_opened",
+        "_timed",
         "_watch",
         "caller",
         "client_headers",
@@ -193,6 +197,8 @@ class Exchange:
         self.outcome: Outcome | None = None
         self.caller: Caller | None = None
         self._watch: DisconnectWatch | None = None
+        self._opened = False  # `open` was called
+        self._timed: _Timed | None = None  # its clearance, if any
 
     def admit(self) -> Caller:
         """Who is calling (raises a 401 ProxyError with keys on and no known key)."""
@@ -246,7 +252,8 @@ class Exchange:
         With `clearance` (a quota charge on its way), the request is built while it is
         waited for and only sent once it clears (see proxy.transport.Clearance)."""
         record = self.record
-        timed = None if clearance is None else _Timed(clearance, record)
+        timed = self._timed = None if clearance is None else _Timed(clearance, record)
+        self._opened = True
         sent = time.perf_counter()
         record.overhead_s = sent - record.started
         response = await self.state.upstream.open(
@@ -262,6 +269,17 @@ class Exchange:
         record.upstream_status = response.status_code
         record.upstream_ttfb_s = time.perf_counter() - sent
         return response
+
+    @property
+    def forwarded(self) -> bool:
+        """The upstream request was let go: `open` was called and its clearance (a quota
+        charge) cleared, so the charge counted it, whether or not it then reached the
+        upstream. False before `open`, or when the clearance refused or was never waited
+        for."""
+        if not self._opened:
+            return False
+        timed = self._timed
+        return timed is None or timed.cleared_at > 0.0
 
     def _watching(self) -> DisconnectWatch:
         watch = self._watch

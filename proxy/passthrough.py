@@ -71,8 +71,12 @@ async def passthrough(request: Request) -> Response:
                 upload.raise_if_gone()
             raise
     except ProxyError as exc:
+        if tap is not None and exchange.forwarded:  # see chat.unanswered
+            tap.unanswered(sent=not exc.unsent)
         return exchange.error(exc)
     except ClientDisconnected:
+        if tap is not None and exchange.forwarded:
+            tap.unanswered(sent=True)
         return exchange.disconnected()
     quota = charging.headers if charging is not None else []
     return await exchange.relay(response, None, tap, watch=watch, raw_headers=quota)

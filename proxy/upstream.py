@@ -36,6 +36,10 @@ log = logging.getLogger("proxy.upstream")
 
 RequestContent = bytes | AsyncIterator[bytes]
 
+# httpx's errors raised before a request is written (refused or unresolvable, a URL it
+# cannot send to; PoolTimeout and ConnectTimeout too): the upstream never saw the request.
+_UNSENT = (httpx.ConnectError, httpx.UnsupportedProtocol)
+
 # Replies up to this size with a Content-Length are read whole before answering (see relay).
 WHOLE_REPLY_BYTES = 256 * 1024
 # Parsed upstream URLs kept per path (httpx parses a URL string in ~15-30 us; the chat route
@@ -71,6 +75,11 @@ class ReplyTap(Protocol):
 
     def finish(self) -> None:
         """The relayed body ended (completely, failed, or the client left)."""
+        ...
+
+    def cut(self, status: int) -> None:
+        """A reply to be read whole never was (the client left, the upstream broke off or
+        stalled): none of its body reached the client, and `whole` is not called."""
         ...
 
 
@@ -170,7 +179,10 @@ class Upstream:
             request = httpx.Request(method, url, headers=as_bytes(headers), content=content)
         except httpx.InvalidURL as exc:
             raise ProxyError(
-                400, f"The request URL cannot be forwarded: {exc}", code="invalid_url"
+                400,
+                f"The request URL cannot be forwarded: {exc}",
+                code="invalid_url",
+                unsent=True,
             ) from None
         request.extensions["timeout"] = self._timeouts
         if clearance is not None:
@@ -181,7 +193,8 @@ class Upstream:
             raise self.failure(exc) from None
 
     def failure(self, exc: httpx.HTTPError) -> ProxyError:
-        """Map a transport failure to 502 (unreachable) or 504 (too slow), naming the host."""
+        """Map a transport failure to 502 (unreachable) or 504 (too slow), naming the host;
+        `unsent` when httpx's error says nothing was written (see ProxyError)."""
         if isinstance(exc, httpx.ConnectTimeout):
             return ProxyError(
                 504,
@@ -189,6 +202,7 @@ class Upstream:
                 f"(after {self.timeout.connect}s).",
                 type="upstream_error",
                 code="upstream_timeout",
+                unsent=True,
             )
         if isinstance(exc, httpx.TimeoutException):
             return ProxyError(
@@ -196,6 +210,7 @@ class Upstream:
                 f"The upstream {self.host} did not answer in time (timeout {self.timeout.read}s).",
                 type="upstream_error",
                 code="upstream_timeout",
+                unsent=isinstance(exc, httpx.PoolTimeout),
             )
         detail = str(exc) or type(exc).__name__
         return ProxyError(
@@ -203,6 +218,7 @@ class Upstream:
             f"Could not reach the upstream {self.host}: {detail}",
             type="upstream_error",
             code="upstream_unreachable",
+            unsent=isinstance(exc, _UNSENT),
         )
 
     async def relay(
@@ -267,7 +283,12 @@ class Upstream:
             return b"".join([chunk async for chunk in upstream.aiter_raw()])
 
         try:
-            body = await (read() if watch is None else watch.run(read))
+            try:
+                body = await (read() if watch is None else watch.run(read))
+            except (ClientDisconnected, httpx.HTTPError):
+                if tap is not None:
+                    tap.cut(upstream.status_code)
+                raise
             if tap is not None:
                 raw_extra = [*tap.whole(upstream.status_code, upstream.headers, body), *raw_extra]
             raw_headers = _client_headers(upstream, extra, raw_extra)

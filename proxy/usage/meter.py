@@ -346,9 +346,9 @@ class ChatTap:
 
     def whole(self, status: int, headers: httpx.Headers, body: bytes) -> RawHeaders:
         if status >= 400:
-            self._finish(status, None, events=0)
+            self._finish(False, None, events=0)
             return []
-        cost, priced = self._finish(status, whole_usage(body, headers), events=0)
+        cost, priced = self._finish(True, whole_usage(body, headers), events=0)
         if not priced:
             return []
         return [(_COST_HEADER_RAW, b"%.6f" % (cost / NANO))]
@@ -374,15 +374,31 @@ class ChatTap:
     def finish(self) -> None:
         stream = self._stream
         if stream is not None:
-            self._finish(self.status, stream.usage, events=stream.events)
+            self._finish(self.status < 400, stream.usage, events=stream.events)
         else:
             tail = self._tail
-            self._finish(self.status, None if tail is None else tail.usage(), events=0)
+            self._finish(self.status < 400, None if tail is None else tail.usage(), events=0)
 
-    def _finish(self, status: int, reported: ReportedUsage | None, events: int) -> tuple[int, bool]:
+    def cut(self, status: int) -> None:
+        """The reply's status came, its body never did: as a reply without `usage`."""
+        self._finish(status < 400, None, events=0)
+
+    def unanswered(self, sent: bool) -> None:
+        """No reply at all, for a request let go upstream (the client left first, or the
+        upstream failed or timed out): still one request, as its quota charge counted it.
+        `sent`: the upstream may have the request, so it may bill its prompt: our count of
+        it is recorded, marked estimated, as for a reply without `usage` (completion: 0).
+        Not sent (the connection failed): nothing it could bill."""
+        self._finish(sent, None, events=0)
+
+    def _finish(
+        self, billable: bool, reported: ReportedUsage | None, events: int
+    ) -> tuple[int, bool]:
+        """`billable`: the upstream took the request (a status under 400, or no reply to
+        tell); else it refused or never saw it, and only the request is counted."""
         outcome = self.outcome
         summary = outcome.usage
-        if status < 400:
+        if billable:
             before = outcome.tokens_before
             after = outcome.tokens_after
             if after is None:

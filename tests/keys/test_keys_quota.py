@@ -71,6 +71,7 @@ async def test_limits_are_per_key(make_app: Any, upstream: respx.MockRouter) -> 
             key_entry("team-b", KEY_B, requests_per_minute=1),
         )
     )
+    app.state.quotas.clock = lambda: 1_800_000_010.0  # no minute turns between the requests
     for key in (KEY_A, KEY_B):
         reply = await app.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))
         assert reply.status_code == 200
@@ -274,6 +275,7 @@ async def test_passthrough_routes_count_requests_too(
 ) -> None:
     upstream.get("/models").respond(json={"data": []})
     app = await make_app(keyed_settings(key_entry("team-a", KEY_A, requests_per_minute=1)))
+    app.state.quotas.clock = lambda: 1_800_000_010.0  # no minute turns between the requests
     assert (await app.client.get("/v1/models", headers=bearer(KEY_A))).status_code == 200
     denied = await app.client.get("/v1/models", headers=bearer(KEY_A))
     assert denied.status_code == 429
