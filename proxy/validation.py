@@ -58,7 +58,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise _too_large(limit)
-            chunks.append(chunk)
+            if chunk:  # (Starlette ends with b""): a body of one chunk is that very object
+                chunks.append(chunk)
     except ClientDisconnect:  # left mid-upload, or timed out by proxy.connections
         raise read_timed_out(request.scope) or ClientDisconnected() from None
     return b"".join(chunks)

@@ -204,3 +204,22 @@ def test_incremental_parser_refuses_what_json_loads_refuses(raw: bytes) -> None:
     with pytest.raises(json.JSONDecodeError) as theirs:
         json.loads(raw)
     assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "chunks", [[b'{"a":1}'], [b'{"a"', b"", b":1}"], [b"", b'{"a":1}', b""], [b""], []]
+)
+async def test_a_body_read_in_any_pieces_is_the_bytes_sent(chunks: list[bytes]) -> None:
+    from starlette.requests import Request
+
+    from proxy.validation import read_body
+
+    messages = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    messages.append({"type": "http.request", "body": b"", "more_body": False})
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    assert await read_body(request, 100) == b"".join(chunks)
