@@ -45,6 +45,7 @@ log = logging.getLogger("proxy.compaction")
 _NAMESPACES = 1024  # (summarizer model, strategy fingerprint) pairs whose namespace is kept
 _COMPACTIONS = 64  # built-in strategy objects kept, one per summarizer model and options
 _BUILT_IN_FACTORIES = tuple(BUILT_IN.values())
+_SPANS_COUNTS = 2  # count profiles (encodings) whose counts a body keeps (turnmemo's bound)
 
 
 class PromptCounter(Protocol):
@@ -60,6 +61,19 @@ class PromptCounter(Protocol):
     def count_each(
         self, model: str, messages: Sequence[Any], keys: Sequence[int | None] | None = None
     ) -> list[int]: ...
+
+    async def acount_each(
+        self,
+        model: str,
+        messages: Sequence[Any],
+        keys: Sequence[int | None] | None = None,
+        *,
+        counted: int = 0,
+    ) -> list[int]: ...
+
+    def request_tokens(self, message_tokens: int, tools: int) -> int: ...
+
+    def profile_key(self, model: str) -> str: ...
 
     def count_messages(self, model: str, messages: list[Any]) -> int: ...
 
@@ -89,19 +103,50 @@ def model_of(body: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class MessageCounts:
     """The tokens of one of a request's messages (`count`) or of many at once (`each`, one
-    memo lookup for all: the cut walks the recent tail with it)."""
+    memo lookup for all: the cut walks the recent tail with it). A client message's count
+    comes from `counts` (each of the body's messages, by position) when known."""
 
     counter: PromptCounter
     model: str
     spans: Spans | None  # the messages' own keys, when their bytes are known
+    counts: Sequence[int] | None = None  # the tokens of each of spans.messages
 
     def __call__(self, message: Message) -> int:
-        key = None if self.spans is None else self.spans.key_of(message)
+        if self.spans is None:
+            return self.counter.count_message(self.model, message)
+        index = self.spans.index_of(message)
+        if index is not None and self.counts is not None:
+            return self.counts[index]
+        key = None if index is None else self.spans.keys()[index]
         return self.counter.count_message(self.model, message, key)
 
     def each(self, messages: Sequence[Message]) -> list[int]:
-        keys = None if self.spans is None else self.spans.keys_for(messages)
-        return self.counter.count_each(self.model, messages, keys)
+        if self.spans is None:
+            return self.counter.count_each(self.model, messages)
+        if self.counts is not None:
+            first = self.spans.run_of(messages)
+            if first is not None:
+                return list(self.counts[first : first + len(messages)])
+        return self.counter.count_each(self.model, messages, self.spans.keys_for(messages))
+
+    async def listed(self, messages: Sequence[Message]) -> int:
+        """The sum of the counts of `messages`: the client's from `counts`, the others (a
+        summary) from the counter."""
+        if self.spans is None or self.counts is None:
+            keys = None if self.spans is None else self.spans.keys_for(messages)
+            return sum(await self.counter.acount_each(self.model, messages, keys))
+        counts, index_of = self.counts, self.spans.index_of
+        total = 0
+        others = []
+        for message in messages:
+            index = index_of(message)
+            if index is None:
+                others.append(message)
+            else:
+                total += counts[index]
+        if others:
+            total += sum(await self.counter.acount_each(self.model, others, counted=total))
+        return total
 
 
 @dataclass(frozen=True)
@@ -118,6 +163,8 @@ class Job:
     scope: str | None  # the summary store tenant (None: no store)
     strategy: str | None = None  # None: compaction.strategy
     spans: Spans | None = None  # where body["messages"] are in the client's bytes
+    tools: int | None = None  # the tokens of the body's tool definitions (None: not counted)
+    counts: Sequence[int] | None = None  # the tokens of each of spans.messages
 
     @property
     def messages(self) -> list[Message]:
@@ -193,7 +240,14 @@ class Compactor:
         spans = parsed.spans if parsed is not None else None
         if spans is not None and body.get("messages") is not spans.messages:
             spans = parsed = None  # not this body's messages
-        tokens = await self.counter.acount_request(body, spans.keys() if spans else None)
+        tools: int | None = None
+        counts: list[int] | None = None
+        if spans is not None:  # each message's count, kept with the spans for the next turn
+            counts = await self.message_counts(model, spans)
+            tools = self.counter.count_tools(model, body)
+            tokens = self.counter.request_tokens(sum(counts), tools)
+        else:
+            tokens = await self.counter.acount_request(body)
         budget = control.budget or config.budget_for(model)
         force = control.mode == "force"
         if (tokens > budget or force) and parsed is not None and spans is None:
@@ -213,6 +267,8 @@ class Compactor:
                 scope,
                 control.strategy,
                 spans,
+                tools,
+                counts,
             )
             decision = await self.decide(job)
         else:
@@ -240,18 +296,21 @@ class Compactor:
         compaction = self.compaction_for(job.summarizer_model, job.strategy)
 
         spans = job.spans
-        count_message = MessageCounts(self.counter, job.model, spans)
+        count_message = MessageCounts(self.counter, job.model, spans, job.counts)
+        tools = job.tools
+        if tools is None:
+            tools = self.counter.count_tools(job.model, job.body)
 
         async def count(messages: list[Message]) -> int:
-            keys = None if spans is None else spans.keys_for(messages)
-            return await self.counter.acount_request({**job.body, "messages": messages}, keys)
+            """The prompt tokens of the body with `messages` instead of its own."""
+            return self.counter.request_tokens(await count_message.listed(messages), tools)
 
         with message_keys(None if spans is None else spans.keys_for, spans):
             cut = await off_loop(
                 len(job.messages),
                 compaction.cut,
                 job.messages,
-                keep_tokens=self.keep_tokens(job),
+                keep_tokens=self.keep_tokens(job, count_message, tools),
                 count=count_message,
             )
         if not cut.to_compact:
@@ -297,7 +356,7 @@ class Compactor:
             task=_task_state(cut, plan.summarized),
         )
 
-    def keep_tokens(self, job: Job) -> int | None:
+    def keep_tokens(self, job: Job, count: MessageCounts, tools: int) -> int | None:
         """How many tokens of recent messages to keep verbatim: `keep_recent_ratio` of the
         budget, less what the pinned messages, the task, the tools and a summary need (a
         summary is taken as `summary_max_tokens`, at most a quarter of the budget), so the
@@ -306,14 +365,32 @@ class Compactor:
         if config.keep_recent_ratio <= 0:
             return None
         summary = min(config.summary_max_tokens, job.budget // 4)
-        fixed = self.counter.count_tools(job.model, job.body) + summary
+        fixed = tools + summary
         for message in job.messages:
-            key = None if job.spans is None else job.spans.key_of(message)
-            fixed += self.counter.count_message(job.model, message, key)
+            fixed += count(message)
             if isinstance(message, dict) and message.get("role") == "user":
                 break  # the task, the first user message, is the last one kept up front
         room = job.budget - fixed
         return max(0, min(round(config.keep_recent_ratio * job.budget), room))
+
+    async def message_counts(self, model: str, spans: Spans) -> list[int]:
+        """The tokens of each of the body's messages: those of the body it extends from its
+        spans (kept by an earlier turn), the others counted (and kept for the next turn)."""
+        key = self.counter.profile_key(model)
+        kept = spans.counts.get(key)
+        total = len(spans.messages)
+        if kept is not None and len(kept) == total:
+            return kept
+        known = kept if kept is not None and len(kept) < total else []
+        start = len(known)
+        keys = spans.keys()
+        counts = known + await self.counter.acount_each(
+            model, spans.messages[start:], keys[start:], counted=sum(known)
+        )
+        if key not in spans.counts and len(spans.counts) >= _SPANS_COUNTS:
+            spans.counts.pop(next(iter(spans.counts)), None)  # the oldest profile's
+        spans.counts[key] = counts
+        return counts
 
     def namespace(self, summarizer_model: str, compaction: Compaction) -> str:
         """Everything that shapes a summary's text: a change starts a new set of keys."""

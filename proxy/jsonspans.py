@@ -87,6 +87,9 @@ class Spans:
     # The cut's tool pairing (proxy/compaction/cut.py) of messages[:n], never changed once
     # set: a body extending this one starts with the same messages, so with it.
     pairing: Any = field(default=None, repr=False)
+    # Each message's token count, by the counter's profile (proxy/compactor.py): a count is
+    # a function of the message's bytes, so a body extending this one starts with these.
+    counts: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
     def view(self, index: int) -> memoryview:
         return memoryview(self.raw)[self.starts[index] : self.ends[index]]
@@ -406,7 +409,18 @@ def extend_chat(
         index.update(zip(map(id, new), range(count, total), strict=True))
     chains = dict(base.chains)  # runs of base's messages: the same here
     return body, Spans(
-        raw, open_, close, starts, ends, messages, keys, index, True, chains, base.pairing
+        raw,
+        open_,
+        close,
+        starts,
+        ends,
+        messages,
+        keys,
+        index,
+        True,
+        chains,
+        base.pairing,
+        dict(base.counts),
     )
 
 

@@ -16,9 +16,9 @@ an error) is parsed cold. The message objects are shared between the requests of
 nothing on the request path changes a message in place (the compaction step builds new lists).
 
 Bounded: by bytes (`cache.turn_memo_bytes`: each entry counts the body it holds, twice the
-array's bytes for the parsed objects and 896 bytes a message for lists, keys, index, store
-chains and the cut's tool pairing; a 128k-token body of 481 KB costs ~1.8 MB), by age
-(`TTL_S`) and by `CANDIDATES` bodies per scope and head; the least recently used goes
+array's bytes for the parsed objects and 976 bytes a message for lists, keys, index, store
+chains, the cut's tool pairing and token counts; a 128k-token body of 481 KB costs ~1.8 MB),
+by age (`TTL_S`) and by `CANDIDATES` bodies per scope and head; the least recently used goes
 first. The table is empty until a request is kept. Scoped: entries of one tenant (the
 summary store's scope: credential hash or proxy key id) are never found by another, so a
 faster answer tells no one what someone else sent; requests without a scope are not kept.
@@ -43,8 +43,8 @@ CANDIDATES = 8
 TTL_S = 600.0
 # Lists of spans and keys, the id index, each dict's own overhead (~350 bytes), and the
 # store chains a body keeps (2 of ~150 bytes: link, hex key), its tool pairing (~100 bytes:
-# a partner, call and result ids).
-_MESSAGE_OVERHEAD = 896
+# a partner, call and result ids), its token counts (2 of ~40 bytes: a list slot, an int).
+_MESSAGE_OVERHEAD = 976
 _ENTRY_OVERHEAD = 1024
 
 _Key = tuple[str, int]

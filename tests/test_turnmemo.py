@@ -322,3 +322,65 @@ def test_store_keys_of_a_hit_reuse_the_kept_chain_and_equal_a_cold_chain() -> No
             )
         other = chain_hashes("other scope", "ns", spans.messages[1:], spans)
         assert other == chain_hashes("other scope", "ns", fresh.messages[1:], fresh)
+
+
+@pytest.mark.asyncio
+async def test_token_counts_kept_with_a_body_are_a_cold_count_of_each_message() -> None:
+    """A turn extending a kept body counts only its new messages; every count, the sum and
+    the request's total equal a cold count, per encoding, and a changed byte is counted anew."""
+    from proxy.tokens import TokenCounter
+
+    settings = make_settings(compaction={"budget_tokens": 6000})
+    app = create_app(settings)
+    compactor, counter = app.state.proxy.compactor, app.state.proxy.counter
+    tools = [{"type": "function", "function": {"name": "run", "parameters": {}}}]
+    first = compact({"model": "gpt-4o", "messages": history(6), "tools": tools})
+    memo = kept(first)
+    base = memo.parse("s", first)
+    assert base is not None
+    await compactor.message_counts("gpt-4o", base[2])
+    later = history(8)
+    raw = compact({"model": "gpt-4o", "messages": later, "tools": tools})
+    hit = memo.parse("s", raw)
+    assert hit is not None
+    body, spans, _ = hit
+    calls = counter.encode_calls
+    counts = await compactor.message_counts("gpt-4o", spans)
+    alone = TokenCounter(settings)
+    alone.count_each("gpt-4o", later[-4:])
+    assert counter.encode_calls - calls == alone.encode_calls  # the four new messages only
+    for model in ("gpt-4o", "gpt-4", "gpt-4o-mini"):
+        fresh = TokenCounter(settings)  # its own memo: nothing remembered
+        got = await compactor.message_counts(model, spans)
+        assert got == [fresh.count_message(model, m) for m in later]
+        with_tools = {**body, "model": model}
+        total = counter.request_tokens(sum(got), counter.count_tools(model, with_tools))
+        assert total == fresh.count_request(with_tools)
+    assert await compactor.message_counts("gpt-4o", spans) == counts
+    assert len(spans.counts) == 2  # kept for two encodings at most
+    edited = [*later[:3], {**later[3], "content": "changed"}, *later[4:]]
+    again = memo.parse("s", compact({"model": "gpt-4o", "messages": edited, "tools": tools}))
+    assert again is None or (await compactor.message_counts("gpt-4o", again[1]))[3] == (
+        counter.count_message("gpt-4o", edited[3])
+    )
+
+
+@pytest.mark.asyncio
+async def test_counting_each_message_stops_past_the_request_limit() -> None:
+    from proxy.tokens.counter import TokenCounter, TooManyTokens
+
+    messages = history(3, size=300)  # ~300 tokens a result
+    each = TokenCounter(make_settings()).count_each("gpt-4o", messages)
+    limit = 3 + sum(each[:4]) + 10  # reply priming, then room for the first four only
+    counter = TokenCounter(make_settings(tokenizer={"max_request_tokens": limit}))
+    with pytest.raises(TooManyTokens):
+        await counter.acount_request({"model": "gpt-4o", "messages": messages})
+    with pytest.raises(TooManyTokens):
+        await counter.acount_each("gpt-4o", messages)
+    counts = await counter.acount_each("gpt-4o", messages[:4])
+    assert counts == [counter.count_message("gpt-4o", m) for m in messages[:4]]
+    with pytest.raises(TooManyTokens):
+        await counter.acount_each("gpt-4o", messages[:4], counted=11)
+    assert counter.request_tokens(sum(counts), 10) == limit
+    with pytest.raises(TooManyTokens):
+        counter.request_tokens(sum(counts), 11)

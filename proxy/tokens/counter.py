@@ -183,6 +183,8 @@ class TokenCounter:
 
         Building takes 0.1-0.3 s of CPU: on the event loop it would stall every other client.
         """
+        if isinstance(model, str) and model in self._profiles:
+            return  # a profile is made with its encoding built (or known to be missing)
         name = models.encoding_for(model if isinstance(model, str) else "", self._settings)
         if name in self._encoders or name in self._missing:
             return
@@ -351,12 +353,7 @@ class TokenCounter:
         """`count_message` of each of `messages` (`keys`: their own keys, None where not
         known), the memo asked once for all of them."""
         profile = self._profile(model)
-        salt = profile.salt
-        given = keys if keys is not None and len(keys) == len(messages) else [None] * len(messages)
-        salted = [
-            self._message_key(profile, m) if k is None else k ^ salt
-            for m, k in zip(messages, given, strict=True)
-        ]
+        salted = self._salted(profile, messages, keys)
         found = self._memo.get_many(salted)
         if None not in found:
             return found  # type: ignore[return-value]
@@ -365,6 +362,53 @@ class TokenCounter:
             self._compute_message(profile, m, k, text) if c is None else c
             for m, k, c in zip(messages, salted, found, strict=True)
         ]
+
+    async def acount_each(
+        self,
+        model: str,
+        messages: Sequence[Any],
+        keys: Sequence[int | None] | None = None,
+        *,
+        counted: int = 0,
+    ) -> list[int]:
+        """`count_each`, with what the memo does not know counted as `acount_request` counts
+        it (in the thread pool when large) and TooManyTokens once reply priming, `counted`
+        (tokens of other messages of the same request) and these pass `max_request_tokens`."""
+        pool = self._thread_pool()
+        await self._ensure_encoder(model, pool)
+        if pool is not None and len(messages) > OFFLOAD_MESSAGES:
+            loop = asyncio.get_running_loop()
+            job = self._count_each_checked
+            return await loop.run_in_executor(pool, job, model, messages, keys, counted)
+        profile = self._profile(model)
+        salted = self._salted(profile, messages, keys)
+        found = self._memo.get_many(salted)
+        limit = self._config.max_request_tokens
+        total = chat.REPLY_PRIMING + counted
+        if None not in found:
+            counts: list[int] = found  # type: ignore[assignment]
+            _checked(total + sum(counts), limit)
+            return counts
+        missing = [i for i, c in enumerate(found) if c is None]
+        if pool is None or sum(_chars(messages[i]) for i in missing) < self._config.offload_chars:
+            return self._fill(profile, messages, salted, found, total, limit)
+        loop = asyncio.get_running_loop()
+        fill = self._fill
+        return await loop.run_in_executor(
+            pool, fill, profile, messages, salted, found, total, limit
+        )
+
+    def request_tokens(self, message_tokens: int, tools: int) -> int:
+        """A request's prompt tokens from the sum of its messages' counts and its tools'
+        (`count_tools`): what `count_request` answers for it; TooManyTokens past
+        `max_request_tokens`."""
+        return _checked(
+            chat.REPLY_PRIMING + message_tokens + tools, self._config.max_request_tokens
+        )
+
+    def profile_key(self, model: str) -> str:
+        """Equal for two models whose every count is equal (encoding, image costs...)."""
+        return self._profile(model).key
 
     def count_messages(self, model: str, messages: list[Any]) -> int:
         return self._count_messages(self._profile(model), messages)
@@ -420,6 +464,49 @@ class TokenCounter:
             pool.shutdown(wait=True, cancel_futures=True)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _salted(
+        self, profile: _Profile, messages: Sequence[Any], keys: Sequence[int | None] | None
+    ) -> list[int | None]:
+        """Each message's memo key: its own key when given, else one of its content."""
+        salt = profile.salt
+        if keys is None or len(keys) != len(messages):
+            return [self._message_key(profile, m) for m in messages]
+        return [
+            self._message_key(profile, m) if k is None else k ^ salt
+            for m, k in zip(messages, keys, strict=True)
+        ]
+
+    def _fill(
+        self,
+        profile: _Profile,
+        messages: Sequence[Any],
+        salted: list[int | None],
+        found: list[int | None],
+        total: int,
+        limit: int,
+    ) -> list[int]:
+        """`found` (the memo's counts of `messages`, None where unknown) completed, counting
+        the unknown ones in order; TooManyTokens once `total` plus the counts pass `limit`."""
+        total += sum(c for c in found if c is not None)
+        _checked(total, limit)
+        text = self._text_counter(profile, limit)
+        for index, cached in enumerate(found):
+            if cached is None:
+                count = self._compute_message(profile, messages[index], salted[index], text)
+                found[index] = count
+                total = _checked(total + count, limit)
+        return found  # type: ignore[return-value]
+
+    def _count_each_checked(
+        self, model: str, messages: Sequence[Any], keys: Sequence[int | None] | None, counted: int
+    ) -> list[int]:
+        """acount_each's work in one go (a worker thread's, for long lists)."""
+        profile = self._profile(model)
+        salted = self._salted(profile, messages, keys)
+        found = self._memo.get_many(salted)
+        limit = self._config.max_request_tokens
+        return self._fill(profile, messages, salted, found, chat.REPLY_PRIMING + counted, limit)
 
     def _thread_pool(self) -> ThreadPoolExecutor | None:
         if self._pool is None and not self._closed:
