@@ -239,3 +239,52 @@ def test_chain_memo_of_many_short_sessions_stays_within_a_few_megabytes() -> Non
     # Long chains still fit as before: one session of 50k messages is remembered.
     memo.put(b"root", list(range(50_000)), bytes(32 * 50_000), 0)
     assert memo.longest(b"root", list(range(50_000))) == bytes(32 * 50_000)
+
+
+exact_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()  # past 64 bits too
+    | st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**19, -(10**19), 10**18])
+    | st.floats()  # NaN and infinities too
+    | st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from("\ud800\udc00\x00\"\\")),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@given(st.dictionaries(st.sampled_from(["model", "tools", "seed", "z"]), exact_values, max_size=4))
+def test_the_body_outside_its_messages_reads_exactly_as_json_loads(rest: dict[str, Any]) -> None:
+    """Each value as the stdlib reads it (type-exact: no integer read as a float)."""
+    history = [{"role": "user", "content": "a long enough message " * 20}]
+    raw = json.dumps({"messages": history, **rest}).encode("utf-8", "surrogatepass")
+    expected = json.loads(raw)
+    for parse in (loads_chat, jsonspans.loads_chat_fast):
+        parsed = parse(raw)
+        assert parsed
+        assert repr(parsed[0]) == repr(expected)
+
+
+@given(
+    st.lists(messages, min_size=1, max_size=6),
+    st.sampled_from(FORMATS),
+    st.lists(st.integers(-1, 6), max_size=10),
+)
+def test_splice_writes_each_clients_message_as_its_bytes_in_any_order(
+    history: list[dict[str, Any]], form: dict[str, Any], picks: list[int]
+) -> None:
+    raw = encoded({"model": "m", "messages": history, "n": 1}, form)
+    parsed = loads_chat(raw)
+    if parsed is None:
+        return
+    spans = parsed[1]
+    summary = {"role": "user", "content": "summary },{ \ud800"}
+    chosen = [spans.messages[p] if 0 <= p < len(history) else summary for p in picks]
+    parts = [
+        jsonbytes.forwarded(m) if (i := spans.index_of(m)) is None else bytes(spans.view(i))
+        for m in chosen
+    ]
+    tail = raw[spans.close :]
+    want = raw[: spans.open] + b"[" + b",".join(parts) + b"]" + tail
+    assert spans.splice(raw, chosen, jsonbytes.forwarded_message) == want
+    assert json.loads(want)["messages"] == [json.loads(p) for p in parts]
