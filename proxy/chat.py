@@ -174,7 +174,7 @@ def reencode(
     """The client's body with only `messages` replaced; every other field kept as sent, and
     the client's own messages as their own bytes when `spans` knows them."""
     if spans is not None and content is not None:
-        spliced = spans.splice(content, messages, jsonbytes.forwarded)
+        spliced = spans.splice(content, messages, jsonbytes.forwarded_message)
         if spliced is not None:
             return spliced
     return jsonbytes.forwarded({**body, "messages": messages})

@@ -10,15 +10,23 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import httpx
 
 from proxy.compaction.cut import CutRules, message_keys
 from proxy.compaction.offload import off_loop
-from proxy.compaction.protocol import Compaction, Cut, Message, SummarizerError
+from proxy.compaction.protocol import (
+    Compaction,
+    Cut,
+    Message,
+    Summarizer,
+    SummarizerError,
+    Summary,
+)
 from proxy.compaction.strategies import (
     BUILT_IN,
     StrategyFactory,
@@ -327,7 +335,7 @@ class Compactor:
             plan = await planner.plan(
                 cut,
                 compaction,
-                self.summarizer_for(job.summarizer_model, job.client_headers),
+                _Deferred(partial(self.summarizer_for, job.summarizer_model, job.client_headers)),
                 scope=scope,
                 namespace=self.namespace(job.summarizer_model, compaction),
                 budget=Budget(
@@ -495,6 +503,21 @@ class Compactor:
                 "duration_ms": round(seconds * 1000, 1),
             },
         )
+
+
+class _Deferred:
+    """A summarizer made on its first call: a turn served from the store makes none."""
+
+    __slots__ = ("_made", "_make")
+
+    def __init__(self, make: Callable[[], Summarizer]) -> None:
+        self._make = make
+        self._made: Summarizer | None = None
+
+    async def summarize(self, system_prompt: str, messages: list[Message]) -> Summary:
+        if self._made is None:
+            self._made = self._make()
+        return await self._made.summarize(system_prompt, messages)
 
 
 def _task_state(cut: Cut, summarized: int) -> Literal["verbatim", "summarized"] | None:

@@ -30,6 +30,17 @@ def forwarded(value: object) -> bytes:
     return text.encode("utf-8", "backslashreplace")
 
 
+def forwarded_message(value: object) -> bytes:
+    """`forwarded(value)`, by orjson (the same bytes) for an object whose keys and values
+    are all strings, as a summary message is."""
+    if type(value) is dict and all(type(v) is str for v in value.values()):
+        try:
+            return orjson.dumps(value)  # raises on a non-string key or a lone surrogate
+        except TypeError:
+            pass
+    return forwarded(value)
+
+
 def cleaned(value: object) -> bytes:
     """Compact UTF-8 JSON with every lone surrogate replaced by U+FFFD. No floats: orjson
     writes them otherwise than the stdlib (`1e-05` as `0.00001`, NaN as null)."""

@@ -41,3 +41,17 @@ def test_lone_surrogates_in_a_summarizer_body_become_replacement_characters() ->
 def test_what_orjson_refuses_is_still_written() -> None:
     assert jsonbytes.cleaned({"n": 1 << 70}) == b'{"n":1180591620717411303424}'
     assert jsonbytes.cleaned({1: "x"}) == b'{"1":"x"}'
+
+
+@given(
+    st.dictionaries(
+        st.text(st.characters(codec="utf-8") | st.sampled_from("\ud800\udfff"), max_size=8),
+        st.text(st.characters(codec="utf-8") | st.sampled_from("\ud800\udfff\x00\"\\")),
+        max_size=4,
+    )
+    | st.dictionaries(st.integers(), _TEXT, max_size=2)
+    | _VALUES
+)
+def test_a_forwarded_message_is_written_as_the_forwarded_body_writes_it(value: object) -> None:
+    """Summary messages (strings only) go through orjson: the same bytes, surrogates too."""
+    assert jsonbytes.forwarded_message(value) == jsonbytes.forwarded(value)

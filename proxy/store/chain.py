@@ -39,6 +39,8 @@ _ENTRY_OVERHEAD = 384
 _LOOKBACK = 8
 # Chains a body keeps (proxy/turnmemo.py counts them in its bound): one per root in use.
 SPANS_CHAINS = 2
+_ROOTS = 4096  # chain roots remembered (~200 bytes each)
+_roots: dict[tuple[str, str], bytes] = {}
 
 
 def canonical(message: object) -> bytes:
@@ -104,7 +106,7 @@ def chain_hashes(
     knows (a body it extends computed it: `Spans.chains`) is reused; else `memo`'s: the
     longest chain remembered for a prefix of `messages` (keyed by the messages' byte keys).
     """
-    root = _digest(canonical([scope, namespace]), b"cp-chain-root")
+    root = _root(scope, namespace)
     first = spans.run_of(messages) if spans is not None else None
     if spans is None or first is None:
         return _hexed(chain_links(root, messages, spans, memo))
@@ -123,6 +125,19 @@ def chain_hashes(
         chains.pop(next(iter(chains)), None)  # the oldest root (another model, strategy...)
     chains[(root, first)] = (links, keys)
     return list(keys)
+
+
+def _root(scope: str, namespace: str) -> bytes:
+    """h_0 = H(scope, namespace), remembered for the last `_ROOTS` pairs (a tenant's turns
+    share one)."""
+    root = _roots.get((scope, namespace))
+    if root is None:
+        if len(_roots) >= _ROOTS:  # scopes come from clients' credentials
+            _roots.clear()
+        root = _roots[(scope, namespace)] = _digest(
+            canonical([scope, namespace]), b"cp-chain-root"
+        )
+    return root
 
 
 def _hexed(links: bytes) -> list[str]:
