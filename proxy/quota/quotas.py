@@ -75,41 +75,39 @@ class Quotas:
         sent = self.ledger.charge(key.id, quota.limits, tokens, whole_second(now))
         return Charging(sent, self, key, quota, tokens, now)
 
-    async def verdict(
-        self, sent: Awaitable[Charge], key: ProxyKey, limits: LimitArgs, tokens: int, now: float
-    ) -> Charge | None:
-        """The ledger's answer to a charge `sent` at `now`: the counters after it, None when
-        the ledger was down and the request goes through unmetered (see `Charging.cleared`)."""
-        try:
-            charge = await sent
-        except LedgerUnavailable as exc:
-            self._log.warning(
-                "quota: %s ledger unavailable (%s); requests go through %s (errors=%d)",
-                self.ledger.name, exc,
-                "unmetered" if self.on_error == "open" else "refused", self.ledger.errors,
-            )  # fmt: skip
-            if self.on_error == "open":
-                self.failed_open += 1
-                return None
-            raise ProxyError(
-                503,
-                "The proxy cannot check quotas right now (its quota store is unreachable); "
-                "try again shortly.",
-                type="server_error",
-                code="quota_unavailable",
-                headers={"retry-after": "1"},
-            ) from None
-        if charge.denied is None:
-            return charge
+    def unavailable(self, exc: LedgerUnavailable) -> None:
+        """A charge the ledger could not answer: through unmetered (on_error "open") or a
+        503 raised (see `Charging.cleared`)."""
+        self._log.warning(
+            "quota: %s ledger unavailable (%s); requests go through %s (errors=%d)",
+            self.ledger.name, exc,
+            "unmetered" if self.on_error == "open" else "refused", self.ledger.errors,
+        )  # fmt: skip
+        if self.on_error == "open":
+            self.failed_open += 1
+            return
+        raise ProxyError(
+            503,
+            "The proxy cannot check quotas right now (its quota store is unreachable); "
+            "try again shortly.",
+            type="server_error",
+            code="quota_unavailable",
+            headers={"retry-after": "1"},
+        ) from None
+
+    def refusal(
+        self, charge: Charge, key: ProxyKey, limits: LimitArgs, tokens: int, now: float
+    ) -> ProxyError:
+        """The 429 of a charge the ledger denied at `now`."""
         self.rejected += 1
         exact = windows_at(now)
         headers = rate_limit_headers(limits, charge, exact)
-        raise _denial(key, limits, charge, tokens, exact, headers)
+        return _denial(key, limits, charge, tokens, exact, headers)
 
 
 class Charging:
     """One request's charge, sent to the ledger ahead of the upstream request it admits
-    (see `proxy.transport.Clearance`): making that request and taking a pooled connection
+    (see `proxy.clearance.Clearance`): making that request and taking a pooled connection
     overlap the ledger's round trip, and nothing goes upstream before `cleared` returns.
 
     `cleared` raises ProxyError 429 over a limit, 503 if the ledger is down and on_error =
@@ -135,12 +133,21 @@ class Charging:
         self._charge: Charge | None = None
 
     async def cleared(self) -> None:
-        """Wait for the ledger's verdict (once; later calls return at once)."""
+        """Wait for the ledger's verdict (once; later calls return at once). The ledger's
+        answer is awaited here, not in a helper coroutine: this frame is part of the
+        request's stack every time it waits and resumes."""
         sent, self._sent = self._sent, None
-        if sent is not None:
-            self._charge = await self._quotas.verdict(
-                sent, self._key, self._quota.limits, self._tokens, self._now
-            )
+        if sent is None:
+            return
+        try:
+            charge = await sent
+        except LedgerUnavailable as exc:
+            self._quotas.unavailable(exc)  # unmetered (no headers), or raises the 503
+            return
+        if charge.denied is not None:
+            quota = self._quota
+            raise self._quotas.refusal(charge, self._key, quota.limits, self._tokens, self._now)
+        self._charge = charge
 
     @property
     def headers(self) -> RawHeaders:

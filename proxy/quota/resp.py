@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import socket
+import threading
 from collections.abc import Awaitable
 from typing import Any
 
@@ -129,6 +130,7 @@ class ChargeLine:
         self._out: list[bytes] = []
         self._buffer = b""
         self._watchdog: asyncio.TimerHandle | None = None
+        self._thread = 0  # the thread the line opened on (its loop's)
 
     @staticmethod
     def supports(client: object) -> bool:
@@ -158,8 +160,18 @@ class ChargeLine:
 
     @property
     def ready(self) -> bool:
-        """Open in the running event loop: `call` writes (or queues) its command at once."""
-        return self._transport is not None and self._loop is asyncio.get_running_loop()
+        """Open in the running event loop: `call` writes (or queues) its command at once.
+
+        Asked on every charge, so without `asyncio.get_running_loop` (on Python 3.11 a
+        getpid() syscall each time, ~1-2 us here): the loop the line opened in is running,
+        on this thread, so it is the running one (a thread runs one loop at a time)."""
+        loop = self._loop
+        return (
+            self._transport is not None
+            and loop is not None
+            and self._thread == threading.get_ident()
+            and loop.is_running()
+        )
 
     def call(self, command: bytes) -> Awaitable[Any]:
         """Send one packed command (at once on an idle line, else with the others held until
@@ -172,6 +184,19 @@ class ChargeLine:
             return self._connect_and_send(command)
         return self._send(command)
 
+    def send_now(self, command: bytes) -> asyncio.Future[Any] | None:
+        """`call` on a line open in the running loop (the reply's future); None otherwise,
+        nothing sent (then `call`, which connects first)."""
+        loop = self._loop  # `ready`, inline: asked once per charge
+        if (
+            self._transport is None
+            or loop is None
+            or self._thread != threading.get_ident()
+            or not loop.is_running()
+        ):
+            return None
+        return self._send(command)
+
     async def _connect_and_send(self, command: bytes) -> Any:
         if self._transport is not None:  # opened in another event loop (test clients)
             self._drop(RedisConnectionError("event loop changed"))
@@ -181,16 +206,28 @@ class ChargeLine:
     def _send(self, command: bytes) -> asyncio.Future[Any]:
         """Written at once when nothing is in flight; else held until a reply comes back, and
         then everything held goes out in one write. The future holds the reply, or raises a
-        Redis error reply."""
+        Redis error reply (or RedisConnectionError when the line has no connection)."""
         loop = self._loop
         assert loop is not None  # set when the line opened
         future: asyncio.Future[Any] = loop.create_future()
-        idle = len(self._pending) == len(self._out)  # every command sent has its reply
-        self._pending.append((future, loop.time()))
-        self._out.append(command)
+        transport = self._transport
+        if transport is None:  # lost since it was asked for: nothing to write it to
+            future.set_exception(RedisConnectionError("Redis closed the connection"))
+            future.exception()  # retrieved: its charge may have been abandoned
+            return future
+        pending = self._pending
+        # Nothing in flight: every command sent has its reply (held ones exist only while
+        # one is in flight, and all go out when any reply comes back).
+        idle = not pending
+        pending.append((future, loop.time()))
         self.commands += 1
-        if idle:
-            self._flush()
+        if not idle:
+            self._out.append(command)
+            return future
+        self.round_trips += 1
+        transport.write(command)
+        if self._watchdog is None:
+            self._watchdog = loop.call_later(self.timeout_s, self._check)
         return future
 
     def _flush(self) -> None:
@@ -200,7 +237,8 @@ class ChargeLine:
         self.round_trips += 1
         self._transport.write(out[0] if len(out) == 1 else b"".join(out))
         if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().call_later(self.timeout_s, self._check)
+            assert self._loop is not None
+            self._watchdog = self._loop.call_later(self.timeout_s, self._check)
 
     def _check(self) -> None:
         """Fail everything in flight when the oldest command waits longer than timeout_s."""
@@ -217,10 +255,24 @@ class ChargeLine:
     def _received(self, data: bytes) -> None:
         buf = self._buffer + data if self._buffer else data
         pos = 0
+        end = len(buf)
         pending = self._pending
         try:
-            while pos < len(buf) and pending:
-                reply, pos = parse(buf, pos)
+            while pos < end and pending:
+                if buf[pos] == 36:  # "$": a bulk string (a charge's reply), read here
+                    eol = buf.find(b"\r\n", pos)
+                    if eol < 0:
+                        break
+                    size = int(buf[pos + 1 : eol])
+                    if size < 0:
+                        reply, pos = None, eol + 2
+                    else:
+                        stop = eol + 2 + size
+                        if stop + 2 > end:
+                            break
+                        reply, pos = buf[eol + 2 : stop], stop + 2
+                else:
+                    reply, pos = parse(buf, pos)
                 future = pending.popleft()[0]
                 if future.done():
                     continue
@@ -279,6 +331,7 @@ class ChargeLine:
 
     async def _open(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         async with asyncio.timeout(self.timeout_s):
             if self.path is not None:
                 transport, _ = await loop.create_unix_connection(lambda: _Protocol(self), self.path)

@@ -684,9 +684,108 @@ def test_the_charge_command_is_the_packed_evalsha_and_its_reply_parses_as_any_ot
     assert _charge_of('["tokens_day",3,0,9,0,0]') == Charge("tokens_day", 3, 0, 9, 0, 0)
 
 
+def test_a_charge_template_is_the_packed_evalsha_of_its_id_and_tokens() -> None:
+    """A charge is its key's template filled with the id's counter and the tokens at fixed
+    widths: the same bytes as packing the whole command, also with '%' in the names."""
+    from redis.asyncio import Redis
+
+    from proxy.auth.keys import Limits
+    from proxy.quota import resp
+    from proxy.quota.redis import _CHARGE_TTL_S, _DAY_TTL_S, _MINUTE_TTL_S, RedisLedger
+
+    ledger = RedisLedger(Redis(), "p%d{%%s}:")
+    limits = LimitArgs.of(Limits(requests_per_minute=5, prompt_tokens_per_day=100))
+    for now, tokens, counter in [(1_800_000_010.5, 0, 0), (1_800_090_000.0, 10**20 - 1, 2**64 - 1)]:
+        w = windows_at(now)
+        cid = f"{ledger._id_prefix}{counter:016x}"
+        parts = [("rpm", w.minute), ("tpm", w.minute), ("tpd", w.day)]
+        parts += [("spend", w.day), ("spend", w.month), ("charge", cid)]
+        keys = [ledger.key("k%x", *part) for part in parts]
+        args = [5, 0, 100, 0, 0, f"{tokens:020d}", _MINUTE_TTL_S, _DAY_TTL_S, _CHARGE_TTL_S]
+        expected = resp.pack("EVALSHA", ledger._charge.sha, 6, *keys, *args)
+        assert ledger._template("k%x", limits, w) % (counter, tokens) == expected
+
+
+async def test_counters_expire_from_the_charge_that_creates_them(redis_prefix: str) -> None:
+    """Each counter gets its window's expiry when a charge creates it, also one first
+    touched by a later charge (tokens after a charge of none), and never loses it."""
+    from redis.asyncio import Redis
+
+    from proxy.auth.keys import Limits
+    from proxy.quota.redis import _DAY_TTL_S, _MINUTE_TTL_S, RedisLedger
+
+    client = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=5)
+    ledger = RedisLedger(client, redis_prefix)
+    policy = Limits(requests_per_minute=10, prompt_tokens_per_minute=1000, prompt_tokens_per_day=10)
+    limits = LimitArgs.of(policy)
+    w = windows_at(1_800_000_010.0)
+    try:
+        assert (await ledger.charge("k", limits, 0, w)).requests == 1
+        assert await client.exists(ledger.key("k", "tpm", w.minute)) == 0
+        assert (await ledger.charge("k", limits, 4, w))[:4] == (None, 2, 4, 4)
+        assert (await ledger.charge("k", limits, 5, w))[:4] == (None, 3, 9, 9)
+        assert (await ledger.charge("k", limits, 5, w)).denied == "tokens_day"  # 9 + 5 > 10
+        for part, ttl in (("rpm", _MINUTE_TTL_S), ("tpm", _MINUTE_TTL_S), ("tpd", _DAY_TTL_S)):
+            window = w.day if part == "tpd" else w.minute
+            assert ttl - 30 < await client.ttl(ledger.key("k", part, window)) <= ttl, part
+        assert await client.get(ledger.key("k", "tpd", w.day)) == b"9"
+    finally:
+        await ledger.close()
+
+
+def test_a_line_opened_in_another_event_loop_reconnects_in_this_one() -> None:
+    """The line's cheap check of the running loop (its own loop running on this thread):
+    used from a new loop (as test clients do), it opens a new connection there."""
+    import secrets
+
+    from redis.asyncio import Redis
+
+    from proxy.auth.keys import Limits
+    from proxy.quota.redis import RedisLedger
+
+    prefix = f"test-keys-{secrets.token_hex(6)}:"
+    ledger = RedisLedger(Redis.from_url("redis://127.0.0.1:6379/0"), prefix)
+    line = ledger.line
+    assert line is not None
+    limits = LimitArgs.of(Limits(requests_per_minute=10))
+    w = windows_at(1_800_000_010.0)
+    ping = b"*1\r\n$4\r\nPING\r\n"
+
+    async def charge() -> tuple[int, object]:
+        charge = await ledger.charge("k", limits, 0, w)
+        assert line.ready and await line.send_now(ping) == b"PONG"  # type: ignore[misc]
+        return charge.requests, line._transport
+
+    async def last() -> tuple[int, object]:
+        try:
+            return await charge()
+        finally:
+            await ledger.client.delete(ledger.key("k", "rpm", w.minute))
+            await ledger.close()
+
+    first, transport = asyncio.run(charge())
+    assert not line.ready and line.send_now(ping) is None  # its loop has closed
+    second, other = asyncio.run(last())
+    assert (first, second) == (1, 2) and other is not transport
+
+
+async def test_a_command_sent_after_the_connection_went_fails_instead_of_waiting() -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from proxy.quota.resp import ChargeLine, pack
+
+    line = ChargeLine(timeout_s=60)
+    line._loop = asyncio.get_running_loop()
+    reply = line._send(pack("PING"))
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(reply, 1)
+
+
 async def test_the_charge_line_writes_at_once_when_idle_and_holds_the_rest_for_one_write() -> None:
     """An idle line sends a command without waiting for the loop; commands issued while one
     is in flight go out together as soon as its reply is in (one write for all of them)."""
+    from redis.exceptions import ResponseError
+
     from proxy.quota.resp import ChargeLine, pack
 
     class Transport:
@@ -716,6 +815,15 @@ async def test_the_charge_line_writes_at_once_when_idle_and_holds_the_rest_for_o
     line._received(b"\r\n")
     assert [reply.result() for reply in replies] == [b"1", b"2", b"3"]
     assert (line.round_trips, line.commands) == (2, 3)
+    # Replies cut anywhere, bulk strings (read in place) among other kinds, in order.
+    more = [line._send(pack("GET", str(i))) for i in range(5)]
+    wire = b"$-1\r\n:7\r\n$3\r\na\r\n\r\n-ERR no\r\n$0\r\n\r\n"
+    for i in range(len(wire)):
+        line._received(wire[i : i + 1])
+    assert [reply.result() for reply in more[:4:2]] == [None, b"a\r\n"]
+    assert more[1].result() == 7 and more[4].result() == b""
+    with pytest.raises(ResponseError):
+        more[3].result()
     line.close()
 
 
