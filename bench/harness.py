@@ -258,6 +258,26 @@ def load(
     return Result(data["rps"], data["p50_ms"], data["p99_ms"], data["errors"], cpu_us, rss.peak)
 
 
+def paired_c1(
+    ports: Sequence[int], body: str, stream: bool, rounds: int, slice_s: float, warmup: float
+) -> dict[int, list[float]]:
+    """c1 p50 (ms) of each server in every round of `rounds`, the servers taking turns of
+    `slice_s` seconds (bench/loadgen.py's paired mode): per round, numbers to pair."""
+    cmd = [
+        sys.executable, "-m", "bench.loadgen", "--ports", *map(str, ports), "--body", body,
+        "--rounds", str(rounds), "--slice", str(slice_s), "--warmup", str(warmup),
+    ]  # fmt: skip
+    if stream:
+        cmd.append("--stream")
+    timeout = rounds * len(ports) * (slice_s + 1) + warmup * len(ports) + 60
+    out = subprocess.run(
+        _pin(CLIENT_CPU, cmd), cwd=ROOT, capture_output=True, text=True, check=True,
+        timeout=timeout,
+    )  # fmt: skip
+    data = json.loads(out.stdout)
+    return {int(port): found["p50_ms"] for port, found in data.items()}
+
+
 def median_result(results: Sequence[Result]) -> Result:
     """Per-metric median over repeats (repeats are interleaved across targets)."""
     return Result(

@@ -6,6 +6,13 @@ Prints one JSON object: requests/s and latency percentiles of the responses that
 the measured window (after the warm-up).
 
 Run: python -m bench.loadgen --port 8000 --concurrency 16 --body small --stream
+
+Paired (`--ports A B C --rounds N --slice S`): one connection to each server, and the
+servers take turns, one request at a time each for `S` seconds per turn, round after round
+(each round's order rotated): every server's c1 latency comes from the same stretches of
+time as the others', so whatever else runs on the box weighs on all of them alike. The first
+`--settle` seconds of each turn are not counted (the server's caches after the others ran).
+Prints each server's p50 per round (bench/harness.py `paired_c1`).
 """
 
 from __future__ import annotations
@@ -157,10 +164,56 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+async def run_paired(args: argparse.Namespace) -> dict[str, object]:
+    """c1 on each of `args.ports` in turns; per port, its p50 in every round (ms)."""
+    loop = asyncio.get_running_loop()
+    request_of = {
+        port: build_request(args.host, port, chat_body(args.body, args.stream))
+        for port in args.ports
+    }
+    conns: dict[int, ClientProtocol] = {}
+    for port in args.ports:
+        _, conns[port] = await loop.create_connection(ClientProtocol, args.host, port)
+
+    async def turn(port: int, settle: float, seconds: float) -> list[float]:
+        proto, request = conns[port], request_of[port]
+        latencies: list[float] = []
+        now = time.perf_counter()
+        start, end = now + settle, now + settle + seconds
+        while now < end:
+            t0 = time.perf_counter()
+            status = await proto.roundtrip(request)
+            now = time.perf_counter()
+            if status != 200:
+                raise RuntimeError(f"port {port}: status {status}")
+            if now >= start:
+                latencies.append(now - t0)
+        return latencies
+
+    for port in args.ports:  # warm-up, as a plain run has
+        await turn(port, args.warmup, 0.0)
+    p50s: dict[int, list[float]] = {port: [] for port in args.ports}
+    counts = dict.fromkeys(args.ports, 0)
+    for round_ in range(args.rounds):
+        shift = round_ % len(args.ports)
+        for port in args.ports[shift:] + args.ports[:shift]:
+            latencies = sorted(await turn(port, args.settle, args.slice))
+            counts[port] += len(latencies)
+            p50s[port].append(latencies[len(latencies) // 2] * 1000 if latencies else float("nan"))
+    for proto in conns.values():
+        if proto.transport is not None:
+            proto.transport.close()
+    return {str(port): {"p50_ms": p50s[port], "requests": counts[port]} for port in args.ports}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--ports", type=int, nargs="+", help="paired c1 turns (see above)")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--slice", type=float, default=0.25)
+    parser.add_argument("--settle", type=float, default=0.02)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--body", choices=["small", "30k"], default="small")
     parser.add_argument("--stream", action="store_true")
@@ -169,6 +222,11 @@ def main() -> None:
     args = parser.parse_args()
     import uvloop
 
+    if args.ports:
+        print(json.dumps(uvloop.run(run_paired(args))))
+        return
+    if args.port is None:
+        parser.error("--port or --ports is required")
     print(json.dumps(uvloop.run(run(args))))
 
 
