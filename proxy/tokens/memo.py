@@ -51,7 +51,7 @@ class Memo:
     number of sets), the most recently used first; a new key takes the first slot and the
     other entry of its set goes, so each set drops its least recently used one. Keys are
     matched on all 64 bits, as the LRU did: a miss is possible, a wrong count is not.
-    The table is anonymous memory, so RSS grows with the pages written, not with the bound.
+    The table is anonymous memory, so RSS grows with the pages touched, not with the bound.
     """
 
     def __init__(self, max_entries: int) -> None:
@@ -60,14 +60,16 @@ class Memo:
         self._lock = threading.Lock()
 
     def _new_tables(self) -> None:
-        """Four arrays in one anonymous mapping: zero pages that count in RSS once written,
-        so an idle memo costs nothing. A zero count slot is empty: counts are kept plus 1."""
-        size = 8 * self._sets
-        self._map = mmap.mmap(-1, 4 * size)
-        view = memoryview(self._map)
-        self._keys0, self._keys1, self._values0, self._values1 = (
-            view[i * size : (i + 1) * size].cast("q") for i in range(4)
-        )
+        """Four arrays over one anonymous mapping: zero pages that count in RSS once touched,
+        so an idle memo costs nothing. A zero count slot is empty: counts are kept plus 1.
+
+        The arrays are interleaved, each a strided view of every fourth word: a set's two
+        keys and two counts are 32 adjacent bytes, so a lookup or a store touches one cache
+        line and one page (whose first touch is a page fault, ~15 us on a VM) instead of
+        one in each of four arrays."""
+        self._map = mmap.mmap(-1, 32 * self._sets)
+        words = memoryview(self._map).cast("q")
+        self._keys0, self._values0, self._keys1, self._values1 = (words[i::4] for i in range(4))
         self._size = 0
 
     def get_many(self, keys: list[int | None]) -> list[int | None]:
