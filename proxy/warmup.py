@@ -6,6 +6,10 @@ Run by the lifespan before the server listens, so no request waits for it:
   loads certifi's bundle, ~20 ms);
 - anyio's event-loop backend (imported on first use by the request path's task groups);
 - each built encoding's first encode (tiktoken's regex state);
+- the counting profile of each model name the configuration names (`[models]`,
+  `[compaction.models]`, the summarizer's model; see proxy.tokens.models.known_models):
+  encoding, image and tool constants, memo salt. Other names are client input: each gets
+  its profile on first use;
 - a rehearsal: a few chat requests, plain and streamed, through a second app built from the
   same settings (and the same token counter) against a throwaway upstream on 127.0.0.1,
   served by uvicorn's HTTP protocol (the class `serve` uses) on a throwaway port. It runs
@@ -52,6 +56,7 @@ from proxy.readiness import Readiness
 from proxy.redact import redact_url
 from proxy.settings import AuthSettings, CacheSettings, QuotaSettings, ServerSettings
 from proxy.state import ProxyState
+from proxy.tokens.models import known_models
 from proxy.transport import ServedTransport, direct_transport
 
 log = logging.getLogger("proxy.app")
@@ -104,6 +109,9 @@ async def warm_up(
         warm = getattr(state.counter, "warm", None)
         if callable(warm):
             warm()
+        prepare = getattr(state.counter, "prepare", None)
+        if callable(prepare):
+            prepare(known_models(state.settings))
         if serving and multiprocess_dir() is None:
             await rehearse(state)
         if app.middleware_stack is None:

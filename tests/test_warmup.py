@@ -88,6 +88,33 @@ async def test_warm_up_runs_at_start_and_nobody_sees_it(caplog: pytest.LogCaptur
     gc.unfreeze()
 
 
+async def test_the_model_names_the_configuration_names_are_profiled_at_start() -> None:
+    # Their counting profiles (encoding, image and tool constants) are built at start, not
+    # by the first request naming each; a name the configuration does not name is not.
+    named = {"my-model", "gpt-4.1-nano", "gpt-4o-mini"}
+    async with fault_upstream() as upstream:
+        settings = Settings.model_validate(
+            {
+                "upstream": {"base_url": f"{upstream.url}/v1"},
+                "models": {"my-model": {"encoding": "o200k_base"}},
+                "compaction": {
+                    "models": {"gpt-4.1-nano": {"budget_tokens": 5000}},
+                    "summarizer": {"model": "gpt-4o-mini"},
+                },
+            }
+        )
+        app = create_app(settings)
+        counter = app.state.proxy.counter
+        assert not named & counter.profiled
+        async with started(app) as client:
+            assert named <= counter.profiled
+            assert "gpt-4o" not in counter.profiled
+            reply = await client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4o"})
+            assert reply.status_code == 200
+            assert "gpt-4o" in counter.profiled
+    gc.unfreeze()
+
+
 async def test_under_uvicorn_the_rehearsal_writes_no_access_line_and_counts_nothing(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

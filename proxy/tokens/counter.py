@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -456,6 +456,17 @@ class TokenCounter:
         tiktoken's regex builds its matching state per thread on first use."""
         for encoder in list(self._encoders.values()):
             encoder.encode_ordinary(_WARM_TEXT)
+
+    def prepare(self, names: Iterable[str]) -> None:
+        """The counting profiles of these model names built now (at start-up, for the names
+        the configuration knows), not by the first request that names each."""
+        for name in names:
+            self._profile(name)
+
+    @property
+    def profiled(self) -> frozenset[str]:
+        """The model names whose counting profile is built (tests read it)."""
+        return frozenset(self._profiles)
 
     def close(self) -> None:
         self._closed = True

@@ -62,6 +62,15 @@ def is_gpt_4o_mini(model: str) -> bool:
     return _GPT_4O_MINI.match(base_model(model)) is not None
 
 
+def known_models(settings: Settings) -> list[str]:
+    """The model names the configuration itself names: `[models."name"]` overrides,
+    `[compaction.models."name"]` budgets and the summarizer's model (sorted; none guessed)."""
+    names = {*settings.models, *settings.compaction.models}
+    if settings.compaction.summarizer.model:
+        names.add(settings.compaction.summarizer.model)
+    return sorted(names)
+
+
 def preload_encodings(settings: Settings) -> set[EncodingName]:
     """What to build at start: `tokenizer.preload`, or else what the configuration names
     (the default, per-model overrides, the summarizer model's): requests for other families
