@@ -5,6 +5,7 @@
     python -X tracemalloc=1 -m bench.memory snapshot   # Python allocations after start, by package
     python -m bench.memory first [--starts 5] [--requests 50] [--gap 0] [--targets proxy relay]
     python -m bench.memory instructions [--targets proxy proxy-noconnect]   # under callgrind
+    python -m bench.memory first|instructions --fresh   # information: a new message each time
 
 `breakdown` builds the proxy in this process as `serve` does and prints VmRSS after each
 step: the interpreter, each heavy import, the settings, each BPE encoding (tiktoken keeps
@@ -37,7 +38,13 @@ shows); with this kernel's PREEMPT_NONE another process in a long system call st
 thread of the server, from just before request 1): exact and repeatable on a busy box, where
 CPU time moves with the neighbours (a warm server's request after 0.3 s idle already costs
 1.5-2x a back-to-back one there: cold caches). One start per target (the counts repeat
-within ~1%); the server starts in ~15 s under valgrind.
+within ~1%); the server starts in ~15 s under valgrind. Each window ends with the 0.3 s
+idle before its dump, so request 1's window holds a whole idle and the warm mean a tenth of
+one; "ratio less idle" takes one idle off both windows.
+
+`--fresh` (information only, never the goal rows): each request's user message is new, of
+the same size, so warm requests count a message too, as request 1 does; the goal rows
+resend one body, whose counts warm requests find in the memo.
 """
 
 from __future__ import annotations
@@ -208,6 +215,10 @@ def snapshot(args: argparse.Namespace) -> None:
 
 # -- first request -------------------------------------------------------------------------
 
+_FRESH_NOTE = (
+    "INFORMATION ONLY (--fresh): every request's user message is new (same size), so warm "
+    "requests count it too; the goal rows resend one body"
+)
 _BODY = {
     "model": "gpt-4o-mini",
     "messages": [
@@ -262,14 +273,29 @@ def _connect(port: int, pid: int) -> http.client.HTTPConnection:
     return conn
 
 
+def _body(stream: bool, fresh: int | None = None) -> bytes:
+    """The bench's chat body; with `fresh`, its user message is that number's own text of
+    the same length ("Say 00042."), so the proxy has not counted it before."""
+    body = {**_BODY, "stream": stream}
+    if fresh is not None:
+        user = {"role": "user", "content": f"Say {fresh % 100_000:05d}."}
+        body["messages"] = [*_BODY["messages"][:-1], user]
+    return json.dumps(body).encode()
+
+
 def _timed_requests(
-    port: int, pid: int | None, stream: bool, count: int, gap_s: float = 0.0
+    port: int,
+    pid: int | None,
+    stream: bool,
+    count: int,
+    gap_s: float = 0.0,
+    fresh: bool = False,
 ) -> list[tuple[float, float, float]]:
     """(wall ms, server CPU ms, server run-queue wait ms) of each request, each one sent
     `gap_s` after the last (request 1 `gap_s` after the server accepted the connection);
     CPU is steadier on a busy box. Without `pid` (the bench client warming itself up
-    against the upstream) the server columns are 0."""
-    body = json.dumps({**_BODY, "stream": stream}).encode()
+    against the upstream) the server columns are 0. `fresh`: a new user message each time."""
+    body = _body(stream)
     headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
     if pid is None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -277,7 +303,9 @@ def _timed_requests(
         conn = _connect(port, pid)
     times = []
     try:
-        for _ in range(count):
+        for number in range(count):
+            if fresh:
+                body = _body(stream, number)
             if gap_s:
                 time.sleep(gap_s)  # idle, as a server between clients' requests
             cpu, wait = _sched_ns(pid) if pid else (0, 0)
@@ -327,12 +355,16 @@ def first_request(args: argparse.Namespace) -> None:
                     rest[target].append(srv.rest_mb)
                     if args.realtime:  # once started: start-up runs as any process does
                         harness.realtime(srv.pid)
-                    timed = _timed_requests(port, srv.pid, stream, args.requests, args.gap)
+                    timed = _timed_requests(
+                        port, srv.pid, stream, args.requests, args.gap, args.fresh
+                    )
                     runs[(target, stream)].append(timed)
             print(f"  start {start + 1}/{args.starts} done", file=sys.stderr)
     spacing = f", each {args.gap:g} s after the last" if args.gap else " back to back"
     if args.realtime:
         spacing += "; client, upstream and each started server at SCHED_FIFO"
+    if args.fresh:
+        spacing += f"; {_FRESH_NOTE}"
     print(f"\nfirst request after start: {args.starts} fresh processes per row, request 1 vs "
           f"requests 2..{args.requests} on one keep-alive connection (accepted by the server "
           f"before the clock starts){spacing}; medians over starts of wall ms, server CPU ms "
@@ -364,6 +396,8 @@ def first_request(args: argparse.Namespace) -> None:
     for (target, stream), (wall, cpu, net) in ratios.items():
         if target.startswith("proxy"):
             verdict = "PASS" if wall <= 2 else "FAIL"
+            if args.fresh:
+                verdict = "information only (--fresh)"
             print(f"  {target} stream={'yes' if stream else 'no'}: request 1 / warm {wall:.2f}x "
                   f"wall (goal <= 2x): {verdict}; {net:.2f}x less the server's run-queue "
                   f"wait, {cpu:.2f}x CPU")  # fmt: skip
@@ -376,9 +410,11 @@ def _callgrind_total(path: Path) -> int:
     raise RuntimeError(f"no totals in {path}")
 
 
-def _instructions(target: str, stream: bool, env: dict[str, str], out: Path) -> list[int]:
+def _instructions(
+    target: str, stream: bool, env: dict[str, str], out: Path, fresh: bool = False
+) -> list[int]:
     """Instructions of the server (all threads) for: 0.3 s idle, request 1, request 2,
-    requests 3..12, each between two callgrind dumps."""
+    requests 3..12, each between two callgrind dumps (each window ends with 0.3 s idle)."""
     port = harness.free_port()
     cmd = _first_cmd(target, port)
     prefix = cmd[: cmd.index(sys.executable)]
@@ -388,8 +424,8 @@ def _instructions(target: str, stream: bool, env: dict[str, str], out: Path) -> 
     full_env = {**os.environ, "PYTHONPATH": str(harness.ROOT), **env}
     proc = subprocess.Popen([*prefix, *valgrind, *command], env=full_env, cwd=harness.ROOT,
                             stderr=subprocess.DEVNULL)  # fmt: skip
-    body = json.dumps({**_BODY, "stream": stream}).encode()
     headers = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+    number = 0
 
     def control(flag: str) -> None:
         time.sleep(0.3)  # the request's last callbacks have run
@@ -404,6 +440,8 @@ def _instructions(target: str, stream: bool, env: dict[str, str], out: Path) -> 
         control("--dump")
         for count in (1, 1, 10):
             for _ in range(count):
+                body = _body(stream, number if fresh else None)
+                number += 1
                 conn.request("POST", "/v1/chat/completions", body, headers)
                 response = conn.getresponse()
                 response.read()
@@ -428,17 +466,22 @@ def instructions(args: argparse.Namespace) -> None:
         env["BENCH_UPSTREAM"] = f"http://127.0.0.1:{up_port}"
         for target in args.targets:
             for stream in (False, True):
-                idle, first, second, rest = _instructions(target, stream, env, Path(tmp))
+                found = _instructions(target, stream, env, Path(tmp), args.fresh)
+                idle, first, second, rest = found
                 warm = rest / 10
+                less_idle = (first - idle) / ((rest - idle) / 10)
                 rows.append([target, "yes" if stream else "no", f"{idle / 1e3:.0f}",
                              f"{first / 1e3:.0f}", f"{second / 1e3:.0f}", f"{warm / 1e3:.0f}",
-                             f"{first / warm:.2f}x"])  # fmt: skip
+                             f"{first / warm:.2f}x", f"{less_idle:.2f}x"])  # fmt: skip
                 print(f"  {target} stream={stream} done", file=sys.stderr)
     print(
         "\nfirst request after start, in thousands of instructions (callgrind, all threads "
-        "of the server): 0.3 s idle, request 1, request 2, mean of requests 3..12"
+        "of the server): 0.3 s idle, request 1, request 2, mean of requests 3..12; each "
+        "window ends with 0.3 s idle, so 'less idle' takes one idle off request 1's window "
+        "and off the ten warm requests' window" + (f"; {_FRESH_NOTE}" if args.fresh else "")
     )
-    header = ["target", "stream", "idle", "request 1", "request 2", "warm (3..12)", "ratio"]
+    header = ["target", "stream", "idle", "request 1", "request 2", "warm (3..12)", "ratio",
+              "ratio less idle"]  # fmt: skip
     harness.print_table(header, rows)
 
 
@@ -460,6 +503,11 @@ def main() -> None:
     parser.add_argument(
         "--targets", nargs="+", choices=["proxy", "proxy+probe", "proxy-noconnect", "relay"],
         default=["proxy", "relay"],
+    )  # fmt: skip
+    parser.add_argument(
+        "--fresh", action="store_true",
+        help="first, instructions: a new user message (same size) in every request, for "
+        "information (warm requests then count it too); the goal rows resend one body",
     )  # fmt: skip
     parser.add_argument("--top", type=int, default=12, help="tracemalloc rows to print")
     parser.add_argument(
