@@ -8,7 +8,8 @@
     python -m bench.memory first|instructions --fresh   # information: a new message each time
 
 `breakdown` builds the proxy in this process as `serve` does and prints VmRSS after each
-step: the interpreter, each heavy import, the settings, each BPE encoding (tiktoken keeps
+step: the interpreter, each heavy import (the start-up's row names any of aiohttp and redis
+that got imported: neither should be), the settings, each BPE encoding (tiktoken keeps
 its tables in Rust, where tracemalloc cannot see them, so RSS deltas are the measure), the
 app, its start-up warm-up, then the count memo filled to its configured cap (and, for
 comparison, the cachetools LRUCache it replaced), and the chain memo at its byte bound.
@@ -67,7 +68,7 @@ from bench import harness
 
 HEAVY_IMPORTS = [
     "ssl", "httpx", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
-    "pydantic_settings", "aiohttp", "tiktoken", "prometheus_client", "cachetools",
+    "pydantic_settings", "tiktoken", "prometheus_client", "cachetools",
     "proxy.settings", "proxy.tokens", "proxy.compactor", "proxy.app", "proxy.cli",
 ]  # fmt: skip
 
@@ -124,7 +125,8 @@ def breakdown(args: argparse.Namespace) -> None:
 
     async def run_lifespan() -> None:
         async with app.router.lifespan_context(app):
-            step("lifespan start-up (warm-up)")
+            loaded = sorted(m for m in ("aiohttp", "redis") if m in sys.modules)
+            step("lifespan start-up (warm-up)", f"imported of aiohttp, redis: {loaded}")
 
     asyncio.run(run_lifespan())
 
