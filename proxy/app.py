@@ -61,8 +61,8 @@ def create_app(
     `transport` carries every upstream request (forwarded and summarizer calls). By default
     it is httpx's own until a server runs the lifespan, the app's own from then on (see
     `ServedTransport`): respx sees an in-process app's requests, a served app is fast. The
-    lifespan builds it for https (importing aiohttp) only when the upstream's or the
-    summarizer's URL is https and reached directly.
+    lifespan makes its TLS context at start when the upstream's or the summarizer's URL is
+    https and reached directly.
     """
     settings = settings or Settings()
     if counter is None:

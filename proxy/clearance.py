@@ -14,9 +14,9 @@ from typing import Protocol
 class Clearance(Protocol):
     """What must clear before a request's first byte goes upstream (a quota charge, already
     on its way to its ledger). Waited for as late as the wire allows (`proxy.wire`: with a
-    connection in hand, right before the write; aiohttp: once it has built its request,
-    before it takes a connection), so making the request overlaps the wait; if it raises,
-    nothing was sent."""
+    connection in hand, right before the write; httpx's own transport: before it is
+    handed the request), so making the request overlaps the wait; if it raises, nothing
+    was sent."""
 
     async def cleared(self) -> None:
         """Returns once the request may go; raises why it may not. Waits only the first

@@ -9,7 +9,7 @@ upstream URL goes through it, NO_PROXY unread (httpx's `proxy=`); `upstream.prox
 false` ignores the environment. The summarizer shares the client, so its URL is routed the
 same way (a separate `compaction.summarizer.base_url` matched against NO_PROXY on its own).
 
-A proxied request takes httpx's full path over httpcore's pool, not the aiohttp one:
+A proxied request takes httpx's full path over httpcore's pool, not `proxy.wire`:
 `direct_transport` finds the mount and returns None, so neither the direct send nor the
 start-up preconnect goes around the proxy. The proxy URL may carry `user:password@` (sent
 as Proxy-Authorization); it is printed only through `redact_url`.

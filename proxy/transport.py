@@ -1,25 +1,20 @@
 """The one pooled HTTP client the app uses towards the upstream (and the summarizer).
 
-httpx is the API; the wire is `proxy.wire` (a small httptools client) for every request to
-a plain-http upstream, aiohttp (`proxy.aiowire`) for https, httpx's own transport through
-an egress proxy (`proxy.egress`). On every request httpcore's pool walks all its
-connections (an O(n^2) idle count, a poll() per idle socket), so a plain httpx relay loses
-about two thirds of its throughput from concurrency 1 to 64; neither of these does. Numbers
-and the other options measured: bench/README.md, `python -m bench.transports`.
+httpx is the API; the wire is `proxy.wire` (a small httptools client, TLS included) for
+every request to an upstream reached directly, httpx's own transport through an egress
+proxy (`proxy.egress`). On every request httpcore's pool walks all its connections (an
+O(n^2) idle count, a poll() per idle socket), so a plain httpx relay loses about two thirds
+of its throughput from concurrency 1 to 64; `proxy.wire` does not. Numbers and the other
+options measured: bench/README.md, `python -m bench.transports`.
 
-`UpstreamTransport` is an `httpx.AsyncBaseTransport` that sends with one of them; both
-raise httpx's errors: refused -> ConnectError; connect/read/pool timeouts -> ConnectTimeout,
-ReadTimeout, PoolTimeout. httpx's write timeout is not applied. aiohttp is imported only
-when the transport is built with `https=True` (at start-up, from the configured URLs: the
-app's `lifespan`), never on a request: its import holds ~9 MB of RSS, and a transport built
-without it refuses https URLs (UnsupportedProtocol, a 502). aiohttp does not enforce
-`max_keepalive_connections` (idle ones expire after keepalive_expiry), `proxy.wire` does;
-both share one count of `max_connections` slots. Header bytes cross unchanged:
-`proxy.wire` writes them as given; aiohttp writes header text as UTF-8, so an https
-request whose header bytes are not UTF-8 (latin-1 from `requests` or Node) goes through
-httpx's own transport, which writes bytes as given. A request is sent once: neither wire
-resends it when a reused keep-alive connection drops, since the upstream may already have
-acted on the first. `slots` counts the pool's in-use and free connection slots. Which wire
+`UpstreamTransport` is an `httpx.AsyncBaseTransport` that sends with `proxy.wire`, which
+raises httpx's errors: refused -> ConnectError; connect/read/pool timeouts -> ConnectTimeout,
+ReadTimeout, PoolTimeout. httpx's write timeout is not applied (a streamed body waits up to
+the read timeout for the upstream to take bytes). `max_connections` slots are counted here,
+`max_keepalive_connections` and `keepalive_expiry` kept by the wire's pool. Header bytes
+cross unchanged: they are written as given. A request is sent once: it is not resent when
+a reused keep-alive connection drops, since the upstream may already have acted on the
+first. `slots` counts the pool's in-use and free connection slots. Which wire
 a client gets is chosen by whoever builds it (`create_app(transport=...)`); the app's
 default, `ServedTransport`, is httpx's own transport in-process and this one once served.
 """
@@ -28,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine, Iterable
+import ssl
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -38,9 +34,6 @@ from proxy import wire
 from proxy.clearance import Clearance
 from proxy.egress import proxy_mounts
 from proxy.settings import UpstreamSettings
-
-if TYPE_CHECKING:
-    from proxy.aiowire import AiohttpWire
 
 
 @dataclass(frozen=True)
@@ -102,26 +95,6 @@ class _NoCookies(httpx.Cookies):
         return None
 
 
-class _FallbackStream(httpx.AsyncByteStream):
-    """A response of httpx's own transport that gives its pool slot back when closed."""
-
-    def __init__(self, stream: httpx.AsyncByteStream, slot: _Slots) -> None:
-        self._stream = stream
-        self._slot: _Slots | None = slot
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:
-            yield chunk
-
-    async def aclose(self) -> None:
-        try:
-            await self._stream.aclose()
-        finally:
-            if self._slot is not None:
-                self._slot.release()
-                self._slot = None
-
-
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -173,27 +146,24 @@ def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 class UpstreamTransport(httpx.AsyncBaseTransport):
-    """`https`: build the https wire (aiohttp) too; without it, https URLs are refused."""
+    """`https`: build the TLS context at start-up (`warm`) rather than on the first https
+    connection (certifi's bundle loaded: ~20 ms)."""
 
     def __init__(self, limits: httpx.Limits, *, https: bool = False) -> None:
         self._limits = limits
+        self._https = https
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: _Slots | None = None
-        self._fallback: httpx.AsyncHTTPTransport | None = None
         self._wire = self._new_wire_pool()
-        self._tls: AiohttpWire | None = None
-        if https:
-            from proxy.aiowire import AiohttpWire  # ~9 MB of RSS: only for an https upstream
-
-            self._tls = AiohttpWire(limits.keepalive_expiry)
 
     @property
     def https(self) -> bool:
-        """Built to carry https requests (aiohttp imported)."""
-        return self._tls is not None
+        """Built for an https upstream (its TLS context made at start-up)."""
+        return self._https
 
-    def _new_wire_pool(self) -> wire.WirePool:
-        return wire.WirePool(self._limits.keepalive_expiry, self._limits.max_keepalive_connections)
+    def _new_wire_pool(self, tls: ssl.SSLContext | None = None) -> wire.WirePool:
+        limits = self._limits
+        return wire.WirePool(limits.keepalive_expiry, limits.max_keepalive_connections, tls)
 
     @property
     def slots(self) -> PoolSlots:
@@ -204,12 +174,11 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return self._slots.counts
 
     def warm(self) -> None:
-        """Bind the pool to the running loop now, and build the https session if there is
-        one (the TLS context alone, certifi's bundle loaded, takes ~20 ms), not on the
-        first request."""
+        """Bind the pool to the running loop now, and for https build its TLS context, not
+        on the first request."""
         self._bind_loop(asyncio.get_running_loop())
-        if self._tls is not None:
-            self._tls.warm()
+        if self._https:
+            self._wire.tls_context()
 
     async def preconnect(self, url: httpx.URL, timeout_s: float) -> None:
         """Open one connection (TCP, and TLS for https) to `url`'s host and leave it idle in
@@ -217,32 +186,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         Not one byte of HTTP is written. Raises httpx's errors (ConnectError, ConnectTimeout).
         """
         self.warm()
-        if url.scheme == "http":
-            idle = await self._wire.connect((url.host, url.port or 80), timeout_s)
-            self._wire.put(idle)
-            return
-        await self._https_wire(url).preconnect(url, timeout_s)
-
-    def _https_wire(self, url: httpx.URL) -> AiohttpWire:
-        if url.scheme != "https":
-            raise httpx.UnsupportedProtocol(
-                f"the upstream URL's scheme {url.scheme!r} is not http(s)"
-            )
-        if self._tls is None:
-            raise httpx.UnsupportedProtocol(
-                "this upstream transport was built for plain-http upstreams only "
-                "(UpstreamTransport(https=True) carries https)"
-            )
-        return self._tls
+        _check_scheme(url)
+        idle = await self._wire.connect(wire.key_of(url), timeout_s)
+        self._wire.put(idle)
 
     def _bind_loop(self, loop: asyncio.AbstractEventLoop) -> _Slots:
         if self._loop is not loop or self._slots is None:
             # Lazily, in the running loop: the app builds its client before the loop starts,
             # and in-process tests may run it in more than one loop.
-            if self._tls is not None:
-                self._tls.retire()
             self._wire.close()
-            self._wire = self._new_wire_pool()
+            self._wire = self._new_wire_pool(self._wire.tls)
             self._slots = _Slots(self._limits.max_connections or 1 << 30)
             self._loop = loop
         return self._slots
@@ -252,31 +205,20 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         await slots.acquire(timeouts.get("pool"))
         try:
-            url, stream = request.url, request.stream
+            stream = request.stream
             known = isinstance(stream, httpx.ByteStream)
-            if url.scheme == "http":
-                content = request.content if known else None
-                body = None if known else stream
-                assert body is None or isinstance(body, httpx.AsyncByteStream)
-                return await self._send_plain(
-                    request.method, url, request.headers.raw, content, body, timeouts, slots
-                )
-            tls = self._https_wire(url)
-            # The bytes (None if empty), or an async iterable aiohttp sends chunked (or by
-            # Content-Length).
-            data: Any = (request.content or None) if known else stream
-            response = await tls.send(
+            body = None if known else stream
+            assert body is None or isinstance(body, httpx.AsyncByteStream)
+            return await self._send(
                 request.method,
-                url,
+                request.url,
                 request.headers.raw,
-                data,
-                slots.release,
+                request.content if known else None,
+                body,
                 timeouts,
-                request.extensions.get("sni_hostname"),
+                slots,
+                server_name=request.extensions.get("sni_hostname"),
             )
-            if response is None:  # not UTF-8: httpx's transport writes bytes as given
-                return await self._send_fallback(request, slots)
-            return response
         except BaseException:
             slots.release()
             raise
@@ -295,29 +237,15 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         same header bytes go out in the same order and the same errors come back. Nothing
         is written before `clearance` clears; what it raises comes out as raised."""
         raw = _headers_as_httpx_sends(method, url, headers, content)
-        tls = None if url.scheme == "http" else self._https_wire(url)
         slots = self._bind_loop(asyncio.get_running_loop())
         await slots.acquire(timeouts.get("pool"))
         try:
-            if tls is None:
-                return await self._send_plain(
-                    method, url, raw, content, None, timeouts, slots, clearance
-                )
-            response = await tls.send(
-                method, url, raw, content or None, slots.release, timeouts, None, clearance
-            )
-            if response is None:  # not UTF-8: httpx's transport writes bytes as given
-                request = httpx.Request(method, url, headers=raw, content=content)
-                request.extensions["timeout"] = timeouts
-                if clearance is not None:
-                    await clearance.cleared()
-                return await self._send_fallback(request, slots)
-            return response
+            return await self._send(method, url, raw, content, None, timeouts, slots, clearance)
         except BaseException:
             slots.release()
             raise
 
-    async def _send_plain(
+    async def _send(
         self,
         method: str,
         url: httpx.URL,
@@ -327,9 +255,11 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         timeouts: dict[str, float | None],
         slots: _Slots,
         clearance: Clearance | None = None,
+        server_name: str | None = None,
     ) -> httpx.Response:
         """Over `proxy.wire`: a body of known length in one write (unless the headers say
         Transfer-Encoding: then chunked, as they say), a streamed one as it comes."""
+        _check_scheme(url)
         method = method.upper()
         length = None
         if body is None and content and _chunked(headers):
@@ -350,24 +280,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             head=method == "HEAD",
             body=body,
             length=length,
+            server_name=server_name,
         )
-
-    async def _send_fallback(self, request: httpx.Request, slots: _Slots) -> httpx.Response:
-        if self._fallback is None:
-            self._fallback = httpx.AsyncHTTPTransport(limits=self._limits)
-        response = await self._fallback.handle_async_request(request)
-        stream = response.stream
-        assert isinstance(stream, httpx.AsyncByteStream)
-        response.stream = _FallbackStream(stream, slots)
-        return response
 
     async def aclose(self) -> None:
         self._wire.close()
-        if self._tls is not None:
-            await self._tls.aclose()
-        if self._fallback is not None:
-            await self._fallback.aclose()
-            self._fallback = None
+
+
+def _check_scheme(url: httpx.URL) -> None:
+    if url.scheme not in ("http", "https"):
+        raise httpx.UnsupportedProtocol(f"the upstream URL's scheme {url.scheme!r} is not http(s)")
 
 
 class ServedTransport(httpx.AsyncBaseTransport):
@@ -377,9 +299,9 @@ class ServedTransport(httpx.AsyncBaseTransport):
     `httpx.AsyncHTTPTransport`, the layer respx (default mode), pytest-httpx and hand-written
     mocks patch, so they see every upstream request with no setup. A server (`compaction-proxy
     serve`, `uvicorn --factory`, each `--workers` process) runs the app's lifespan, whose
-    startup calls `serve()`: from then on requests take the fast path (`proxy.wire`, and
-    aiohttp when an https URL is configured). (A server started with the lifespan off,
-    `uvicorn --lifespan off`, keeps httpx's: slower, correct.)
+    startup calls `serve()`: from then on requests take the fast path (`proxy.wire`, its
+    TLS context made at start when an https URL is configured). (A server started with the
+    lifespan off, `uvicorn --lifespan off`, keeps httpx's: slower, correct.)
     """
 
     def __init__(self, limits: httpx.Limits) -> None:
@@ -396,8 +318,8 @@ class ServedTransport(httpx.AsyncBaseTransport):
         return self._limits
 
     def serve(self, *, https: bool = False) -> None:
-        """From now on, requests go over `UpstreamTransport` (`https`: built to carry https
-        too; see `needs_https`)."""
+        """From now on, requests go over `UpstreamTransport` (`https`: its TLS context made at
+        start; see `needs_https`)."""
         if self._served is None:
             self._served = UpstreamTransport(self._limits, https=https)
 
@@ -431,7 +353,8 @@ class ServedTransport(httpx.AsyncBaseTransport):
 
 def needs_https(client: httpx.AsyncClient, urls: Iterable[str]) -> bool:
     """Some of `urls` are https and `client` would send them over its own transport (not an
-    egress proxy's mount, see proxy.egress): that transport must be built with `https`."""
+    egress proxy's mount, see proxy.egress): that transport is built with `https` (its TLS
+    context made at start, not on the first request)."""
     for text in urls:
         url = httpx.URL(text)
         if url.scheme == "https" and isinstance(

@@ -2,8 +2,8 @@
 
 Run by the lifespan before the server listens, so no request waits for it:
 
-- the upstream pool bound to the loop (and for https, its aiohttp session: the TLS context
-  loads certifi's bundle, ~20 ms);
+- the upstream pool bound to the loop (and for https, its TLS context: certifi's bundle
+  loaded, ~20 ms);
 - anyio's event-loop backend (imported on first use by the request path's task groups);
 - each built encoding's first encode (tiktoken's regex state);
 - the counting profile of each model name the configuration names (`[models]`,
@@ -172,7 +172,7 @@ async def rehearse(state: ProxyState, rounds: int = REHEARSALS) -> None:
 
 
 async def _send_rehearsals(url: httpx.URL, rounds: int) -> None:
-    """The rehearsal's client: `proxy.wire` on one keep-alive connection (no aiohttp import)."""
+    """The rehearsal's client: `proxy.wire` on one keep-alive connection."""
     pool = wire.WirePool(None, 1)
     try:
         for _ in range(rounds):

@@ -1,14 +1,18 @@
-"""A small HTTP/1.1 keep-alive client for plain-http upstreams: asyncio.Protocol + httptools.
+"""A small HTTP/1.1 keep-alive client for the upstream: asyncio.Protocol + httptools (+ ssl).
 
-It carries every request to a plain-http upstream reached directly (no egress proxy), its
-header bytes written exactly as given: a body of known length in one write, a streamed one
-(an async iterable) as it arrives, and HEAD (whose reply has no body whatever its
-Content-Length says). https goes to aiohttp (`proxy.aiowire`), egress proxies to httpx
-(`proxy.transport` picks). Why: a small chat request through aiohttp builds a
-ClientRequest, a writer task, a StreamReader and a ClientResponse; here it is one write, one
-parser feed and one future, about a fifth fewer instructions for the whole proxied request
-(`python -m bench.memory instructions`); and a plain-http proxy need not import aiohttp
-(~9 MB of RSS).
+It carries every request to an upstream reached directly (no egress proxy: those go to
+httpx, `proxy.transport` picks), http or https, its header bytes written exactly as given:
+a body of known length in one write, a streamed one (an async iterable) as it arrives, and
+HEAD (whose reply has no body whatever its Content-Length says). Why not aiohttp, which
+carried these before: a small chat request through it builds a ClientRequest, a writer
+task, a StreamReader and a ClientResponse; here it is one write, one parser feed and one
+future, about a fifth fewer instructions for the whole proxied request (`python -m
+bench.memory instructions`); and its import alone held ~9 MB of RSS.
+
+https: TLS by the event loop's own ssl transport with httpx's default context (certifi's
+bundle, or SSL_CERT_FILE / SSL_CERT_DIR; certificate and host name verified), the host
+(or the request's `sni_hostname`) as SNI, ALPN offering http/1.1 only; the handshake counts
+in the connect timeout, and a refused certificate is a ConnectError saying why.
 
 What it keeps of the aiohttp path: errors are httpx's (refused or unresolvable ->
 ConnectError; connect over `connect` -> ConnectTimeout; no byte for `read` seconds while
@@ -19,7 +23,7 @@ above `HIGH_WATER` buffered bytes), and closing a reply before its end closes th
 connection, which the upstream sees. Idle connections are reused newest first, kept at
 most `keepalive_expiry` seconds and at most `max_idle` of them per host.
 
-A streamed request body is written by a task of its own (as aiohttp does), so a reply that
+A streamed request body is written by a task of its own (as aiohttp did), so a reply that
 comes before the body has all gone up (a 413, a 401) is read at once. Each piece is written
 as it comes, chunk-framed unless a Content-Length was given (then exactly that many bytes
 must come); while the socket's write buffer is over its high-water mark the next piece
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable
@@ -51,7 +56,7 @@ _HTTP_11 = {"http_version": b"HTTP/1.1"}
 _LENGTH_HEADERS = (b"content-length", b"transfer-encoding")
 _JOIN_BELOW = 64 * 1024  # a body up to this is copied behind the head: one write
 
-Key = tuple[str, int]
+Key = tuple[str, int, str | None]  # host, port, TLS server name (None: plain http)
 
 
 class Connection(asyncio.Protocol):
@@ -382,7 +387,7 @@ class Connection(asyncio.Protocol):
 
 class DirectStream(httpx.AsyncByteStream):
     """A reply's body read straight from the upstream's socket by one of the app's own wires
-    (this one, `proxy.aiowire`): `read()` takes the rest whole, and closing never suspends."""
+    (this one): `read()` takes the rest whole, and closing never suspends."""
 
     async def read(self) -> bytes:
         raise NotImplementedError
@@ -429,13 +434,29 @@ class WireStream(DirectStream):
 
 
 class WirePool:
-    """Idle connections per (host, port), newest last; every connection it opened, to close."""
+    """Idle connections per (host, port, TLS name), newest last; every connection it opened,
+    to close. The TLS context is httpx's default one (certifi's bundle, or SSL_CERT_FILE /
+    SSL_CERT_DIR; certificates and host names verified), offering only http/1.1 by ALPN,
+    built on the first https connection (or by `tls_context`, at start-up)."""
 
-    def __init__(self, keepalive_expiry: float | None, max_idle: int | None) -> None:
+    def __init__(
+        self,
+        keepalive_expiry: float | None,
+        max_idle: int | None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._expiry = keepalive_expiry
         self._max_idle = max_idle
         self._idle: dict[Key, list[Connection]] = {}
         self._open: set[Connection] = set()
+        self.tls = tls
+
+    def tls_context(self) -> ssl.SSLContext:
+        if self.tls is None:
+            context = httpx.create_ssl_context()
+            context.set_alpn_protocols(["http/1.1"])
+            self.tls = context
+        return self.tls
 
     def take(self, key: Key) -> Connection | None:
         idle = self._idle.get(key)
@@ -471,15 +492,30 @@ class WirePool:
             idle.remove(connection)
 
     async def connect(self, key: Key, wait_s: float | None) -> Connection:
+        """A new connection (TCP, then TLS when `key` names a server), all under `wait_s`."""
         loop = asyncio.get_running_loop()
-        host, port = key
+        host, port, server_name = key
+        context = None if server_name is None else self.tls_context()
+        handshake = wait_s if context is not None else None  # (only meaningful with TLS)
         try:
             async with asyncio.timeout(wait_s):
                 _, connection = await loop.create_connection(
-                    lambda: Connection(self, key), host, port
+                    lambda: Connection(self, key),
+                    host,
+                    port,
+                    ssl=context,
+                    server_hostname=server_name,
+                    ssl_handshake_timeout=handshake,
                 )
         except TimeoutError:
             raise httpx.ConnectTimeout(f"timed out connecting to {host}:{port}") from None
+        except ssl.SSLCertVerificationError as exc:
+            raise httpx.ConnectError(
+                f"the TLS certificate of {host}:{port} was refused: {exc.verify_message}"
+            ) from None
+        except ssl.SSLError as exc:
+            reason = exc.reason or exc
+            raise httpx.ConnectError(f"TLS handshake with {host}:{port} failed: {reason}") from None
         except OSError as exc:  # refused, unreachable, DNS
             raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from None
         self._open.add(connection)
@@ -492,6 +528,13 @@ class WirePool:
                 connection.close()
         self._open.clear()
         self._idle.clear()
+
+
+def key_of(url: httpx.URL, server_name: str | None = None) -> Key:
+    """The pool key of `url` (http or https; `server_name`: the TLS name, else the host)."""
+    if url.scheme == "https":
+        return (url.host, url.port or 443, server_name or url.host)
+    return (url.host, url.port or 80, None)
 
 
 def request_bytes(
@@ -525,6 +568,7 @@ async def send(
     head: bool = False,
     body: AsyncIterable[bytes] | None = None,
     length: int | None = None,
+    server_name: str | None = None,
 ) -> httpx.Response:
     """`data` (see request_bytes) to `url`'s host; returns once the reply's headers are in.
     `release` is called when the reply is closed (on a failure here, the caller keeps it).
@@ -532,7 +576,7 @@ async def send(
     until it clears; refused, the connection goes back to the pool unused. `head`: the
     request is a HEAD. `body`: a streamed body, written after `data` (its head) as it comes,
     with `length` its Content-Length (None: `data` says Transfer-Encoding: chunked)."""
-    key = (url.host, url.port or 80)
+    key = key_of(url, server_name)
     connection = pool.take(key)
     if connection is None:
         connection = await pool.connect(key, timeouts.get("connect"))
