@@ -1,5 +1,5 @@
 """What the proxy holds in memory: no unused imports (httpx's CLI, the Redis client when no
-backend needs it, aiohttp when no upstream is https), an idle memo costs no RSS."""
+backend needs it, aiohttp, no longer a dependency), an idle memo costs no RSS."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ async def test_only_the_callers_headers_are_sent(upstream: Upstream) -> None:
         reply = await client.send(request)
     sent = [(k.lower(), v) for k, v in request.headers.multi_items()]
     received = [tuple(pair) for pair in reply.json()["headers"]]
-    assert sorted(received) == sorted(sent)  # no aiohttp User-Agent, Content-Type, ...
+    assert sorted(received) == sorted(sent)  # no User-Agent, Content-Type, ... of a client library
 
 
 async def test_head_and_empty_bodies(upstream: Upstream) -> None:
