@@ -7,9 +7,9 @@ Candidates (all behind the same `httpx.AsyncClient` API):
   httpx-limits    plain httpx with our settings' limits (1000 connections, 200 kept alive)
   httpcore-linear httpcore's pool with `_assign_requests_to_connections` rewritten linear
   sharded-8       8 small httpcore pools behind one transport, least-loaded first
-  httpx-aiohttp   the httpx-aiohttp package's AiohttpTransport
+  httpx-aiohttp   the httpx-aiohttp package's AiohttpTransport (pip install httpx-aiohttp)
   httpx-h2        (only with --h2) httpx over HTTP/2 to an h2c upstream: hypercorn + h2
-  proxy           proxy.transport.create_upstream_client (our aiohttp transport)
+  proxy           proxy.transport.create_upstream_client (proxy.wire; aiohttp before)
 """
 
 from __future__ import annotations
