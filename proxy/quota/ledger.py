@@ -34,6 +34,13 @@ USAGE_FIELDS = (
 
 NANO = 1_000_000_000  # dollars are stored as integer nano-dollars
 
+# A usage batch's idempotency id: (writer, sequence number). A writer (one meter) numbers
+# its batches in increasing order, and sends a key, model and day's next batch only once
+# the one before is written; so the ledger keeps just the last number written per writer,
+# model, key and day, for as long as the usage itself, and a batch resent at any time after
+# it landed is recognised (no id to expire first).
+RecordId = tuple[str, int]
+
 
 class LedgerUnavailable(Exception):
     """The backend could not be reached (Redis down); the caller applies on_redis_error."""
@@ -113,10 +120,11 @@ class Ledger(Protocol):
         counts: dict[str, int],
         now: float,
         *,
-        record_id: str | None = None,
+        record_id: RecordId | None = None,
     ) -> None:
         """Add one batch. `record_id`: the same for every resend of one batch (made by the
-        backend if None); a backend that can fail adds a batch it has seen the id of only once."""
+        backend if None); a backend that can fail adds a batch it has seen the id of only
+        once, however long after (see RecordId)."""
         ...
 
     async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:

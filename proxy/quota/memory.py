@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from proxy.quota.ledger import Charge, LimitArgs, UsageRow, decide, new_charge, oldest_kept_day
+from proxy.quota.ledger import (
+    Charge,
+    LimitArgs,
+    RecordId,
+    UsageRow,
+    decide,
+    new_charge,
+    oldest_kept_day,
+)
 from proxy.quota.windows import Windows, windows_at
 
 
@@ -61,7 +69,7 @@ class MemoryLedger:
         counts: dict[str, int],
         now: float,
         *,
-        record_id: str | None = None,  # never resent: this backend cannot fail
+        record_id: RecordId | None = None,  # never resent: this backend cannot fail
     ) -> None:
         w = windows_at(now)
         row = self._usage.setdefault((key_id, w.day, model), defaultdict(int))

@@ -14,11 +14,13 @@ twice, and a stale connection costs no fail-open window. Memory: one short strin
 (~150 bytes with its expiry; MEMORY USAGE says 136) per charge for 60 s, so charges/s x 60
 live keys: 1,000 charges/s hold ~60,000 keys, ~9 MB.
 
-A usage write is idempotent the same way: each `record` carries a random id, and the script
-adds the counts only if `<prefix>{<id>}:recorded:<record id>` was not set yet (SET NX, same
-slot, `_RECORD_TTL_S`). So the ledger resends a write once after a dropped connection (a
-reply lost after the script ran), and it is counted once, not lost, and not an outage. The
-meter writes one per key, model and day each flush, so these keys number a few per second.
+A usage write is idempotent too: each `record` carries its writer's id and a sequence
+number (`RecordId`), and the script adds the counts only if that number is above the last
+one it wrote for the writer and model, kept in the hash `<prefix>{<id>}:writes:<day>` (same
+slot, one field of ~60 bytes per writer and model, kept `_DAY_TTL_S` past the day's last
+write). So a write resent after a dropped connection (a reply lost after the script ran),
+or held by the meter through an outage (of up to two days) and resent then, is counted
+once, not lost, and not an outage.
 
 While Redis is failing, calls raise LedgerUnavailable at once for `retry_after_s` instead of
 waiting on a timeout per request.
@@ -46,6 +48,7 @@ from proxy.quota.ledger import (
     Charge,
     LedgerUnavailable,
     LimitArgs,
+    RecordId,
     UsageRow,
     days_between,
     new_charge,
@@ -98,17 +101,21 @@ redis.call('SET', KEYS[6], result, 'EX', ARGV[9])
 return result
 """
 
-# KEYS: usage hash, spend day, spend month, the record id's key. ARGV: usage TTL, day TTL,
-# month TTL, id TTL, cost in nano-dollars, then field, increment pairs.
+# KEYS: usage hash, spend day, spend month, the day's writes hash. ARGV: usage TTL, day TTL,
+# month TTL, the writer's field, the batch's sequence number, cost in nano-dollars, then
+# field, increment pairs.
 _RECORD_LUA = """
-if not redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[4]) then
+local last = redis.call('HGET', KEYS[4], ARGV[4])
+if last and tonumber(last) >= tonumber(ARGV[5]) then
   return 0
 end
-for i = 6, #ARGV, 2 do
+redis.call('HSET', KEYS[4], ARGV[4], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[2])
+for i = 7, #ARGV, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-local cost = tonumber(ARGV[5])
+local cost = tonumber(ARGV[6])
 if cost ~= 0 then
   redis.call('INCRBY', KEYS[2], cost); redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('INCRBY', KEYS[3], cost); redis.call('EXPIRE', KEYS[3], ARGV[3])
@@ -121,7 +128,6 @@ _MINUTE_TTL_S = 120
 _DAY_TTL_S = 2 * 86400
 _MONTH_TTL_S = 32 * 86400
 _CHARGE_TTL_S = 60  # a charge's stored result: longer than any timeout plus one resend
-_RECORD_TTL_S = 60  # a usage write's id, likewise
 _SEP = "\n"  # between model and field in a usage hash (model names never hold one)
 _TOKENS_BELOW = 10**20  # tokens a charge template writes (20 digits); more: packed as text
 
@@ -429,22 +435,24 @@ class RedisLedger:
         counts: dict[str, int],
         now: float,
         *,
-        record_id: str | None = None,
+        record_id: RecordId | None = None,
     ) -> None:
         """Add one batch's counts to the key's usage and spend. `record_id`: the same for
-        every resend of one batch (made here if None); an id already seen adds nothing."""
+        every resend of one batch (made here if None); one written already adds nothing."""
         w = windows_at(now)
+        writer, seq = record_id or (os.urandom(16).hex(), 1)
         keys = [
             self.key(key_id, "usage", w.day),
             self.key(key_id, "spend", w.day),
             self.key(key_id, "spend", w.month),
-            self.key(key_id, "recorded", record_id or os.urandom(16).hex()),
+            self.key(key_id, "writes", w.day),
         ]
         args: list[str | int] = [
             self.retention_days * 86400,
             _DAY_TTL_S,
             _MONTH_TTL_S,
-            _RECORD_TTL_S,
+            f"{writer}{_SEP}{model}",
+            seq,
             counts.get("cost_nano_usd", 0),
         ]
         for name, value in counts.items():

@@ -9,18 +9,16 @@ every `FLUSH_S` (so a spend cap sees spend up to that much later), and at shutdo
 
 A row whose write failed (the ledger unavailable, after its own resend) is held and written
 again at the next flush, so usage during a Redis outage appears once Redis answers. Each
-written row carries an idempotency id, and which id a retry uses is what keeps it exact:
-- a held row is resent as it was, content and id unchanged: if its first write did land
-  (the script ran, the reply was lost), the ledger sees the id and adds nothing;
+written row carries an idempotency id (`RecordId`: this meter's random writer id and a
+number that only grows), and which id a retry uses is what keeps it exact:
+- a held row is resent as it was, content and id unchanged, however long the outage: if
+  its first write did land (the script ran, the reply was lost), the ledger sees the id
+  and adds nothing;
 - usage recorded for the same key, model and day meanwhile is not merged into it (that
   would change what the id stands for, or count the held part twice under a fresh id): it
-  waits in the next batch, unsent, and goes out with an id of its own once the held row is
-  written;
-- a held row is resent under its id only within `RESEND_WITHIN_S` of its first write, while
-  the ledger still keeps that id (the Redis ledger keeps ids for 60 s). Older, it is taken
-  as unwritten and merged into the next batch (fresh id): counted once unless its first
-  write landed and the outage outlasted the id, the one case counted twice; dropping it
-  instead would lose every row of an outage longer than a minute, the common case.
+  waits in the next batch, unsent, and goes out with a later id of its own once the held
+  row is written. So one key, model and day's ids reach the ledger in order, and it need
+  keep only the last one written (see `proxy.quota.ledger.RecordId`).
 After one failed write a flush sends no more (the rest wait, unsent, for the next one), so
 only rows actually sent are held under an id. Rows kept for a retry, held or unsent, are
 bounded by `MAX_HELD_ROWS` (with the usage recorded since the last flush); one past that is
@@ -45,7 +43,7 @@ import orjson
 
 from proxy import jsonbytes
 from proxy.headers import RawHeaders
-from proxy.quota.ledger import NANO, USAGE_FIELDS, Ledger, LedgerUnavailable
+from proxy.quota.ledger import NANO, USAGE_FIELDS, Ledger, LedgerUnavailable, RecordId
 from proxy.quota.windows import day_of
 from proxy.report import Outcome
 from proxy.settings import Settings
@@ -58,9 +56,6 @@ log = logging.getLogger("proxy.usage")
 COST_HEADER = "x-compaction-cost-usd"
 _COST_HEADER_RAW = COST_HEADER.encode()
 FLUSH_S = 0.5
-# A held row is resent under its id only while the ledger surely still knows the id (the
-# Redis ledger keeps one for 60 s from its first write; 10 s spare for a slow send).
-RESEND_WITHIN_S = 50.0
 # Rows kept for a retry while the ledger is unavailable (one per key, model and day; at most
 # ~1 KB each with a 100-character model name): bounds the meter during a long outage.
 MAX_HELD_ROWS = 10_000
@@ -77,8 +72,7 @@ class _Held:
 
     at: float  # a timestamp in the row's day
     sums: list[int]  # USAGE_FIELDS order; never changed once written
-    record_id: str
-    first_sent: float  # monotonic time of its first write
+    record_id: RecordId
 
 
 class Meter:
@@ -105,12 +99,12 @@ class Meter:
         self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
         self.max_held_rows = MAX_HELD_ROWS
-        self.resend_within_s = RESEND_WITHIN_S
         self.dropped_rows = 0  # held rows dropped past `max_held_rows`
         self._held: dict[Entry, _Held] = {}  # failed writes, resent at the next flush
         self._flushing = asyncio.Lock()  # one flush at a time: each row is held once
         self._cap_warned = False  # one warning per outage when the cap drops rows
-        self._monotonic = time.monotonic
+        self._writer = os.urandom(16).hex()  # this meter's half of every RecordId
+        self._written = 0  # the last RecordId number given
         self._day = (0.0, 0.0, "")  # [start, end) of the UTC day `add` last saw, and its date
 
     def with_stream_usage(
@@ -191,11 +185,6 @@ class Meter:
         async with self._flushing:
             batch, self._batch = self._batch, {}
             held, self._held = self._held, {}
-            now = self._monotonic()
-            for entry, row in list(held.items()):
-                if now - row.first_sent >= self.resend_within_s:  # its id may be gone
-                    del held[entry]
-                    self._merge(batch, entry, row.at, row.sums)
             down = False
             for entry, row in held.items():
                 if down or not await self._write(entry, row.at, row.sums, row.record_id):
@@ -208,14 +197,17 @@ class Meter:
                 if down:
                     self._carry(entry, at, sums)
                     continue
-                record_id = os.urandom(16).hex()
+                self._written += 1
+                record_id = (self._writer, self._written)
                 if not await self._write(entry, at, sums, record_id):
                     down = True
-                    self._hold(entry, _Held(at, sums, record_id, self._monotonic()))
+                    self._hold(entry, _Held(at, sums, record_id))
             if not down:
                 self._cap_warned = False
 
-    async def _write(self, entry: Entry, at: float, sums: list[int], record_id: str) -> bool:
+    async def _write(
+        self, entry: Entry, at: float, sums: list[int], record_id: RecordId
+    ) -> bool:
         key_id, model, _ = entry
         counts = {name: value for name, value in zip(USAGE_FIELDS, sums, strict=True) if value}
         try:

@@ -12,11 +12,10 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.quota.ledger import USAGE_FIELDS
-from proxy.quota.redis import _RECORD_LUA, _RECORD_TTL_S, RedisLedger
+from proxy.quota.redis import _RECORD_LUA, RedisLedger
 from proxy.quota.windows import day_of
 from proxy.store.connect import connect
 from proxy.usage import Meter, Pricing
-from proxy.usage.meter import RESEND_WITHIN_S
 from tests.conftest import make_settings
 from tests.keys.conftest import KEY_A, key_entry, keyed_settings
 from tests.keys.test_keys_quota import redis_quota
@@ -86,13 +85,12 @@ class _Rig:
 
     def __init__(self, relay: _Outage, prefix: str) -> None:
         self.relay = relay
-        self.now = [0.0]  # the ledger's back-off clock and the meter's resend clock
+        self.now = [0.0]  # the ledger's back-off clock
         client = connect(f"redis://127.0.0.1:{relay.port}/0", socket_timeout_s=2)
         self.ledger = RedisLedger(client, prefix, clock=lambda: self.now[0])
         settings = make_settings()
         self.meter = Meter(settings, self.ledger, Pricing(settings.pricing))
         self.meter.flush_s = 3600.0  # flushed by the test, not in the background
-        self.meter._monotonic = lambda: self.now[0]
 
     async def flush(self) -> None:
         self.now[0] += 2.0  # past the ledger's back-off after a failure (1 s)
@@ -184,23 +182,30 @@ async def test_a_batch_that_landed_but_whose_reply_was_lost_is_not_counted_twice
     assert rig.meter.held_rows == 0
 
 
-async def test_a_held_batch_older_than_its_id_is_written_as_new_usage(rig: _Rig) -> None:
-    """Past the id's lifetime the ledger cannot tell a resend from new usage: the held row
-    goes out merged with what came after it, under a fresh id."""
-    assert RESEND_WITHIN_S < _RECORD_TTL_S
-    rig.relay.down()
-    rig.meter.record("k", "gpt-4o", _counts(1, 10))
+async def test_a_batch_that_landed_is_counted_once_however_long_redis_stays_away(
+    rig: _Rig,
+) -> None:
+    """The script ran, the reply was lost, and Redis stays away for minutes: the held batch
+    is resent under its id when Redis is back, and counted once; the usage recorded while it
+    was held goes out after it, under a later id, and is counted too."""
+    direct = Redis.from_url(REDIS_URL)
+    await direct.script_load(_RECORD_LUA)  # so the first send runs it (no NOSCRIPT first)
+    await direct.aclose()
+    rig.relay.lose_reply_then_down = True
+    rig.meter.record("k", "gpt-4o", _counts(2, 200))
     await rig.flush()
+    assert rig.relay.lost and rig.meter.held_rows == 1
     [held] = rig.meter._held.values()
-    rig.meter.record("k", "gpt-4o", _counts(1, 20))
-    rig.now[0] += RESEND_WITHIN_S
-    await rig.flush()  # still down: sent merged, under a new id, and held again
-    [again] = rig.meter._held.values()
-    assert again.record_id != held.record_id and again.sums[0] == 2
+    for _ in range(3):
+        rig.meter.record("k", "gpt-4o", _counts(1, 7))
+        rig.now[0] += 100.0  # the ledger's and the meter's clocks, minutes on
+        await rig.flush()  # still down
+        assert [row.record_id for row in rig.meter._held.values()] == [held.record_id]
     await rig.relay.start()
     await rig.flush()
-    assert await rig.used() == {"gpt-4o": _counts(2, 30)}
-    assert held.sums[0] == 1  # the held row was copied into the batch, never changed
+    await rig.flush()
+    assert await rig.used() == {"gpt-4o": _counts(2 + 3, 200 + 21)}
+    assert rig.meter.held_rows == 0
 
 
 async def test_rows_kept_for_an_outage_are_capped_counted_and_warned_once(

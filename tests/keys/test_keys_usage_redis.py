@@ -26,9 +26,9 @@ def _expected(times: int) -> dict[str, Any]:
     }
 
 
-async def _usage(ledger: RedisLedger, key_id: str) -> dict[str, Any]:
+async def _usage(ledger: RedisLedger, key_id: str, model: str = "gpt-4o-mini") -> dict[str, Any]:
     day = windows_at(NOW).day
-    [row] = await ledger.usage([key_id], day, day)
+    [row] = [row for row in await ledger.usage([key_id], day, day) if row.model == model]
     got = row.as_json()
     return {name: got[name] for name in _expected(1)}
 
@@ -66,25 +66,31 @@ async def test_a_usage_write_resent_with_the_same_id_is_counted_once(
     ledger = RedisLedger(connect(url, socket_timeout_s=5), redis_prefix)
     w = windows_at(NOW)
     try:
-        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id="a" * 32)
-        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id="a" * 32)
+        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id=("a", 1))
+        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id=("a", 1))
         assert await _usage(ledger, "k") == _expected(1)
-        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id="b" * 32)
+        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id=("a", 2))
+        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id=("b", 1))  # another writer
+        await ledger.record("k", "gpt-4o", COUNTS, NOW, record_id=("a", 1))  # another model
         await ledger.record("k", "gpt-4o-mini", COUNTS, NOW)  # an id of its own
-        assert await _usage(ledger, "k") == _expected(3)
-        assert await ledger.client.get(ledger.key("k", "spend", w.month)) == b"21"
-        ttl = await ledger.client.ttl(ledger.key("k", "recorded", "a" * 32))
-        assert 0 < ttl <= 60
+        assert await _usage(ledger, "k", "gpt-4o-mini") == _expected(4)
+        assert await _usage(ledger, "k", "gpt-4o") == _expected(1)
+        # An earlier number of a writer that went on since: a resend, whatever its age.
+        await ledger.record("k", "gpt-4o-mini", COUNTS, NOW, record_id=("a", 1))
+        assert await _usage(ledger, "k", "gpt-4o-mini") == _expected(4)
+        assert await ledger.client.get(ledger.key("k", "spend", w.month)) == b"35"
+        writes = ledger.key("k", "writes", w.day)
+        assert 86400 < await ledger.client.ttl(writes) <= 2 * 86400  # no minute-long id
+        assert await ledger.client.hlen(writes) == 4  # one field per writer and model
         if where == "cluster":  # beside the key's usage: one script, one node
             slot = ledger.client.cluster_keyslot
-            recorded = ledger.key("k", "recorded", "a" * 32)
-            assert await slot(recorded) == await slot(ledger.key("k", "usage", w.day))
+            assert await slot(writes) == await slot(ledger.key("k", "usage", w.day))
         assert ledger.errors == 0
     finally:
         if where == "cluster":
             keys = [ledger.key("k", "usage", w.day), ledger.index_key]
             keys += [ledger.key("k", "spend", window) for window in (w.day, w.month)]
-            keys += [ledger.key("k", "recorded", c * 32) for c in "ab"]
+            keys += [ledger.key("k", "writes", w.day)]
             for key in keys:
                 await ledger.client.delete(key)
         await ledger.close()
