@@ -237,7 +237,13 @@ class StreamTap:
         """The bytes to send the client now for this chunk (b"" while an event is held)."""
         if not self._held and chunk.endswith(b"\n\n"):  # the usual: whole events
             at = chunk.rfind(b'"usage"')
-            if at < 0:
+            # No usage key, or the last is OpenAI's `"usage":null` (in every chunk before the
+            # last with include_usage) and it is the only one, or no key has an object (what
+            # `_take` reads): no event here carries usage, the chunk goes as it came.
+            if at < 0 or (
+                chunk[at + 7 : at + 12] == b":null"
+                and (chunk.find(b'"usage"', 0, at) < 0 or not _has_usage(chunk))
+            ):
                 if self.usage is None:
                     self.events += chunk.count(b"data:")
                 return chunk

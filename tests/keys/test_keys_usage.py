@@ -458,6 +458,7 @@ def test_usage_of_a_small_reply_read_whole_is_its_top_level_usage_or_none() -> N
 # its key; streams shaped unlike OpenAI's must give what they give split byte by byte.
 _USAGE_ONLY = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}'
 _DELTA = b'data: {"choices":[{"delta":{"content":"hi"}}]}'
+_DELTA_NULL = b'data: {"choices":[{"delta":{"content":"hi"}}],"usage":null}'
 WHOLE_STREAMS = [
     _DELTA + b"\n\n" + _USAGE_ONLY + b"\n\ndata: [DONE]\n\n",
     _USAGE_ONLY + b"\n\ndata: [DONE]\n\n",
@@ -471,6 +472,14 @@ WHOLE_STREAMS = [
     b'data: {"choices":[{"delta":{"content":"\\"usage\\": {"}}]}\n\ndata: [DONE]\n\n',
     _DELTA + b"\n\n" + _USAGE_ONLY + b"\n\n",
     _DELTA + b"\n\n" + _USAGE_ONLY,
+    # OpenAI's "usage":null in the chunks before the last, and shapes around it.
+    _DELTA_NULL + b"\n\n",
+    _DELTA_NULL + b"\n\n" + _DELTA_NULL + b"\n\n" + _USAGE_ONLY + b"\n\ndata: [DONE]\n\n",
+    _USAGE_ONLY + b"\n\n" + _DELTA_NULL + b"\n\ndata: [DONE]\n\n",
+    b'data: {"x":{"usage":{"prompt_tokens":1,"completion_tokens":1}},"choices":[],'
+    b'"usage":null}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1},"usage":null}\n\n',
+    _DELTA_NULL.replace(b"null", b" null") + b"\n\n" + _USAGE_ONLY + b"\n\n",
 ]
 
 
@@ -487,6 +496,27 @@ async def test_tap_on_a_reply_in_one_chunk_matches_byte_by_byte(stream: bytes) -
     out = b"".join(await relay_in(hidden, WHOLE_STREAMS[0], []))
     assert out == _DELTA + b"\n\ndata: [DONE]\n\n"
     assert hidden.usage is not None and hidden.usage.prompt_tokens == 7
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3])
+async def test_openai_usage_null_chunks_pass_untouched_and_the_usage_chunk_is_read(
+    per_chunk: int,
+) -> None:
+    """With include_usage OpenAI sends `"usage":null` in every chunk and the counts in one
+    last chunk: each chunk reaches the client as it came, only the usage chunk is removed
+    (when the proxy asked for it), and the counts are read."""
+    events = sse_events("m", {"prompt_tokens": 12, "completion_tokens": 2}, usage_null=True)
+    chunks = [b"".join(events[i : i + per_chunk]) for i in range(0, len(events), per_chunk)]
+    stream = b"".join(events)
+    for hide in (True, False):
+        tap = StreamTap(hide_usage_event=hide)
+        out = [tap.feed(chunk) for chunk in chunks]
+        assert tap.end() == b""
+        assert b"".join(out) == (without_usage_event(stream) if hide else stream)
+        # every chunk without the usage event is passed on as the very same bytes
+        kept = [(o, c) for o, c in zip(out, chunks, strict=True) if b'"choices":[],' not in c]
+        assert all(o is c for o, c in kept)
+        assert tap.usage == (12, 2, 0)
 
 
 async def test_tap_reads_usage_the_fast_parser_refuses_as_the_stdlib_does() -> None:
