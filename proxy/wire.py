@@ -382,6 +382,11 @@ class Connection(asyncio.Protocol):
 
     def _timed_out(self) -> None:
         self._timer = None
+        waiter = self._waiter
+        if waiter is not None and waiter.done():
+            # Bytes came in this same loop turn (asyncio runs a socket's callback before
+            # the timers due in that turn): they arrived in time, and the wait is over.
+            return
         self._fail(httpx.ReadTimeout("read timeout"))
 
 

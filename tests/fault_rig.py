@@ -102,7 +102,9 @@ def upload_request(fault: str, pieces: list[bytes], *, end: bool = True) -> byte
 
 
 @contextlib.asynccontextmanager
-async def rig(timeout_s: float = 0.75, **compaction: Any) -> AsyncIterator[Rig]:
+async def rig(
+    timeout_s: float = 0.75, summarizer_timeout_s: float = 0.5, **compaction: Any
+) -> AsyncIterator[Rig]:
     async with fault_upstream() as upstream:
         settings = make_settings(
             upstream={
@@ -112,7 +114,11 @@ async def rig(timeout_s: float = 0.75, **compaction: Any) -> AsyncIterator[Rig]:
                 "max_connections": SLOTS,
             },
             compaction={
-                "summarizer": {"timeout_s": 0.5, "retries": 0, "api_key": SECRETS[3].decode()},
+                "summarizer": {
+                    "timeout_s": summarizer_timeout_s,
+                    "retries": 0,
+                    "api_key": SECRETS[3].decode(),
+                },
                 **compaction,
             },
         )

@@ -6,9 +6,11 @@ them); header values as the bytes given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,14 @@ def no_secret_in_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     caplog.set_level(logging.DEBUG)
     yield
     assert_no_secrets(caplog.get_records("setup") + caplog.get_records("call"))
+
+
+def steady_rig(**compaction: Any) -> contextlib.AbstractAsyncContextManager[Rig]:
+    """The rig with timeouts no test here waits for: nothing in this file tests one, and with
+    the rig's sub-second ones a test process stalled that long between the proxy's request
+    and the in-process upstream's reply (a busy machine, a full collection in a large run)
+    turned an answer into a 504."""
+    return rig(timeout_s=30.0, summarizer_timeout_s=30.0, **compaction)
 
 
 async def send(
@@ -47,7 +57,7 @@ KEPT = [
 
 @pytest.mark.parametrize("target", KEPT)
 async def test_paths_reach_the_upstream_byte_for_byte(target: bytes) -> None:
-    async with rig() as r:
+    async with steady_rig() as r:
         reply = await send(r, "GET", target)
         assert (reply.status, reply.body) == (200, REPLY_BYTES)
         (seen,) = r.upstream.seen
@@ -56,7 +66,7 @@ async def test_paths_reach_the_upstream_byte_for_byte(target: bytes) -> None:
 
 
 async def test_the_query_string_is_forwarded_as_sent() -> None:
-    async with rig() as r:
+    async with steady_rig() as r:
         target = b"/v1/files?purpose=fine%20tune&after=a%26b&api-key=" + SECRETS[1]
         assert (await send(r, "GET", target)).status == 200
         assert r.upstream.seen[0].target == target
@@ -81,7 +91,7 @@ ESCAPES = [
 @pytest.mark.parametrize("target", ESCAPES)
 @pytest.mark.parametrize("method", ["GET", "POST"])
 async def test_paths_that_could_leave_the_base_path_are_refused(method: str, target: bytes) -> None:
-    async with rig() as r:
+    async with steady_rig() as r:
         reply = await send(r, method, target, body=b"{}" if method == "POST" else None)
         assert_envelope(reply, 400, "invalid_path")
         assert r.upstream.seen == []  # nothing went upstream, with or without a key
@@ -90,7 +100,7 @@ async def test_paths_that_could_leave_the_base_path_are_refused(method: str, tar
 
 @pytest.mark.parametrize("target", [b"/v1/x%00y", b"/v1/x%0d%0ay", b"/v1/x%0ay", b"/v1/a%7fb"])
 async def test_control_characters_in_the_path_answer_400(target: bytes) -> None:
-    async with rig() as r:
+    async with steady_rig() as r:
         assert_envelope(await send(r, "GET", target), 400, "invalid_path")
         assert r.upstream.seen == []
 
@@ -102,13 +112,13 @@ async def test_control_characters_in_the_path_answer_400(target: bytes) -> None:
 async def test_the_routers_own_answers_are_envelopes(
     method: str, target: bytes, status: int
 ) -> None:
-    async with rig() as r:
+    async with steady_rig() as r:
         assert_envelope(await send(r, method, target), status)
 
 
 async def test_get_chat_completions_is_the_upstreams_to_answer() -> None:
     # OpenAI lists stored completions there; the proxy relays whatever the upstream says.
-    async with rig() as r:
+    async with steady_rig() as r:
         reply = await send(r, "GET", b"/v1/chat/completions?limit=2")
         assert (reply.status, reply.body) == (200, REPLY_BYTES)
         assert r.upstream.seen[0].target == b"/v1/chat/completions?limit=2"
@@ -116,7 +126,7 @@ async def test_get_chat_completions_is_the_upstreams_to_answer() -> None:
 
 @pytest.mark.parametrize("value", ["²".encode(), "٣".encode(), b"12abc", b"-5", b"0", b"\xb2"])
 async def test_a_budget_header_that_is_not_a_plain_number_answers_400(value: bytes) -> None:
-    async with rig() as r:
+    async with steady_rig() as r:
         reply = await send(
             r, "POST", b"/v1/chat/completions", [(b"x-compaction-budget", value)], CHAT
         )
@@ -140,7 +150,7 @@ TITLES = ["Café ☕".encode(), "Café".encode("latin-1"), b"plain"]
 async def test_non_ascii_request_headers_cross_byte_for_byte(
     title: bytes, method: str, target: bytes, body: bytes | None
 ) -> None:
-    async with rig() as r:
+    async with steady_rig() as r:
         reply = await send(r, method, target, [(b"x-title", title)], body)
         assert (reply.status, reply.body) == (200, REPLY_BYTES)
         (seen,) = r.upstream.seen
@@ -161,7 +171,7 @@ async def test_non_ascii_billing_headers_reach_the_summarizer_too() -> None:
         }
     ).encode()
     project = "Équipe café".encode()
-    async with rig(max_preserved_messages=1) as r:
+    async with steady_rig(max_preserved_messages=1) as r:
         reply = await send(
             r,
             "POST",

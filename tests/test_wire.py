@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +17,7 @@ import pytest
 from proxy import wire
 from proxy.settings import UpstreamSettings
 from proxy.transport import UpstreamTransport, create_upstream_client
+from tests.conftest import until
 
 LOOPS = ("asyncio", "uvloop")  # the served proxy runs on uvloop
 
@@ -503,3 +507,52 @@ async def test_the_read_timeout_starts_once_the_body_has_gone() -> None:
         async with asyncio.timeout(5):
             with pytest.raises(httpx.ReadTimeout):
                 await client.post("/v1/files", content=body())
+
+
+async def test_bytes_already_in_when_the_read_timeout_falls_due_are_not_a_timeout() -> None:
+    """The loop was busy past the read timeout while the reply's first bytes were already
+    in the socket. asyncio then runs the socket's callback before the timer due in the same
+    turn: the bytes are read, the wait is over, and the reply goes on (before, the due timer
+    failed it a moment later, and its body read raised ReadTimeout). uvloop runs due timers
+    first, so there the loop being late is a timeout, as for any client."""
+    loop = asyncio.get_running_loop()
+    if "uvloop" in type(loop).__module__:
+        pytest.skip("uvloop runs due timers before reading sockets")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    received, go, sent, rest = (threading.Event() for _ in range(4))
+
+    def upstream() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while not data.endswith(b"{}"):
+                data += conn.recv(65536)
+            received.set()
+            go.wait(10)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n{}")  # half the body
+            sent.set()
+            rest.wait(10)
+            conn.sendall(b"{}")
+
+    thread = threading.Thread(target=upstream, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    client = create_upstream_client(UpstreamSettings(base_url=url, timeout_s=0.2))
+    try:
+        request = client.build_request("POST", url + "/chat", content=b"{}")
+        sending = asyncio.ensure_future(client.send(request, stream=True))
+        await until(received.is_set)  # the request is in; the wire waits, its timer armed
+        go.set()
+        assert sent.wait(10)
+        time.sleep(0.3)  # noqa: ASYNC251 - the busy loop under test: past the 0.2 s timeout
+        reply = await sending
+        rest.set()
+        assert reply.status_code == 200
+        assert await reply.aread() == b"{}{}"
+    finally:
+        rest.set()
+        await client.aclose()
+        thread.join(10)
+        listener.close()
