@@ -23,6 +23,7 @@ from proxy.compactor import Compactor, PromptCounter
 from proxy.egress import proxy_for
 from proxy.errors import ProxyError
 from proxy.exchange import ExchangeMiddleware
+from proxy.headercheck import install as memoise_header_check
 from proxy.logs import AccessLog
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
@@ -98,6 +99,7 @@ def create_app(
         if served is not None:
             summarizer = settings.compaction.summarizer.base_url or settings.upstream.base_url
             served.serve(https=needs_https(client, (settings.upstream.base_url, summarizer)))
+        memoise_header_check()  # the server's per-reply header-name check
         await warm_up(app, state, served, metrics)
         probe = connect = None
         if served is not None and served.served:
