@@ -202,7 +202,7 @@ class Exchange:
 
     def admit(self) -> Caller:
         """Who is calling (raises a 401 ProxyError with keys on and no known key)."""
-        caller = self.caller = self.state.gate.admit(self.client_headers)
+        caller = self.caller = self.state.gate.admit(self.request.scope["headers"])
         self.record.key_id = caller.key_id
         return caller
 

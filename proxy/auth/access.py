@@ -7,10 +7,10 @@ summarizer call (`headers.summarizer_request_headers`) and for the summary store
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.auth.keys import ProxyKey
+from proxy.auth.keys import KeyRing, ProxyKey, presented_digest
 from proxy.auth.keys_file import KeySource
 from proxy.auth.policy import authenticate
 from proxy.headers import (
@@ -33,10 +33,7 @@ class Caller:
     summarizer_api_key: str | None
     # The summary store's scope when it follows the key (see Gate.scope); made once per key.
     key_scope: str | None = None
-
-    @property
-    def key_id(self) -> str | None:
-        return None if self.key is None else self.key.id
+    key_id: str | None = None  # `key.id`, read on every request
 
     def upstream_headers(self, client_headers: Headers, request_id: str) -> Headers:
         return upstream_request_headers(
@@ -68,28 +65,33 @@ class Gate:
         self._anonymous = Caller(
             None, self._upstream_key, self._summarizer_key or self._upstream_key
         )
-        self._callers: dict[str, Caller] = {}  # by key id; a reloaded key gets a new one
+        # Callers of the ring in use by key digest (only keys it holds: bounded by it).
+        self._ring: KeyRing | None = None
+        self._by_digest: dict[bytes, Caller] = {}
 
     @property
     def enabled(self) -> bool:
         return self.source.configured
 
-    def admit(self, client_headers: Iterable[tuple[str, str]]) -> Caller:
-        """The caller, or a 401 ProxyError (`invalid_api_key`)."""
+    def admit(self, raw_headers: Sequence[tuple[bytes, bytes]]) -> Caller:
+        """The caller presenting a key in the client's wire headers, or a 401 ProxyError
+        (`invalid_api_key`)."""
         source = self.source
         if not source.configured:
             return self._anonymous
         if source.path is not None:  # keys from a file: it may have changed
             source.maybe_reload()
-        key = authenticate(source.ring, client_headers)
-        caller = self._callers.get(key.id)
-        if caller is None or caller.key is not key:
-            if len(self._callers) > 100_000:  # ids from many reloads: start over
-                self._callers.clear()
+        digest = presented_digest(raw_headers)
+        ring = source.ring
+        if ring is not self._ring:  # a reloaded key gets a new caller
+            self._ring, self._by_digest = ring, {}
+        caller = self._by_digest.get(digest) if digest is not None else None
+        if caller is None:
+            key = authenticate(ring, digest)
             upstream = key.upstream_api_key or self._upstream_key
             scope = scope_for(None, self.settings.cache.scope, key_id=key.id)
-            caller = Caller(key, upstream, self._summarizer_key or upstream, scope)
-            self._callers[key.id] = caller
+            caller = Caller(key, upstream, self._summarizer_key or upstream, scope, key.id)
+            self._by_digest[key.digest] = caller
         return caller
 
     def scope(self, caller: Caller, client_headers: Headers) -> str | None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import cached_property
 from typing import Literal
 
 from proxy.compaction.strategies import load_strategy
+from proxy.headers import as_text
 from proxy.settings import ConfigError, KeySettings
 
 
@@ -115,7 +116,9 @@ class KeyRing:
         return len(self._by_digest)
 
     def find(self, presented: str) -> ProxyKey | None:
-        digest = digest_of(presented)
+        return self.by_digest(digest_of(presented))
+
+    def by_digest(self, digest: bytes) -> ProxyKey | None:
         key = self._by_digest.get(digest)
         if key is None or not hmac.compare_digest(key.digest, digest):
             return None
@@ -175,6 +178,35 @@ def build_ring(
     """`entries`: (where it came from, e.g. "auth.keys[0]", settings). Raises ConfigError."""
     env = os.environ if environ is None else environ
     return KeyRing(build_key(entry, where, env) for where, entry in entries)
+
+
+# What `str.strip()` removes from ASCII text: stripping wire bytes by it gives the same key.
+_ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+
+
+def presented_digest(raw_headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """`digest_of(presented_key(as_text(raw_headers)))` (None: no key presented), read from
+    the wire bytes: an ASCII key is hashed as it came, without decoding it to text and
+    encoding it back (the same bytes); any other goes the text way."""
+    for name, value in raw_headers:
+        size = len(name)
+        if size == 13 and name.lower() == b"authorization":
+            if not value.isascii():
+                break
+            scheme, _, token = value.strip(_ASCII_SPACE).partition(b" ")
+            token = token.strip(_ASCII_SPACE)
+            if token and scheme.lower() == b"bearer":
+                return hashlib.sha256(token).digest()
+        elif size == 7 and name.lower() == b"api-key":
+            if not value.isascii():
+                break
+            value = value.strip(_ASCII_SPACE)
+            if value:
+                return hashlib.sha256(value).digest()
+    else:
+        return None
+    presented = presented_key(as_text(raw_headers))
+    return None if presented is None else digest_of(presented)
 
 
 def presented_key(headers: Iterable[tuple[str, str]]) -> str | None:

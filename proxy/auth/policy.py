@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
 
-from proxy.auth.keys import KeyRing, ProxyKey, presented_key
+from proxy.auth.keys import KeyRing, ProxyKey
 from proxy.errors import ProxyError
 from proxy.settings import Settings
 
 
-def authenticate(ring: KeyRing, headers: Iterable[tuple[str, str]]) -> ProxyKey:
-    """The key the client presents, or 401 in OpenAI's shape (the SDK's AuthenticationError)."""
-    presented = presented_key(headers)
-    if presented is None:
+def authenticate(ring: KeyRing, digest: bytes | None) -> ProxyKey:
+    """The key whose digest the client presents (`presented_digest`, None: no key), or 401
+    in OpenAI's shape (the SDK's AuthenticationError)."""
+    if digest is None:
         raise ProxyError(
             401,
             "Missing API key: this proxy needs a proxy key in 'Authorization: Bearer <key>' "
             "(or an 'api-key' header).",
             code="invalid_api_key",
         )
-    key = ring.find(presented)
+    key = ring.by_digest(digest)
     if key is None:
         raise ProxyError(
             401,

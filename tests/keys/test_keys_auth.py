@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.cli import main
 from proxy.store import scope_for
@@ -388,3 +390,59 @@ def test_an_unknown_key_strategy_fails_at_start() -> None:
 
     with pytest.raises(ConfigError, match=r"auth\.keys\[0\]\.strategy"):
         create_app(keyed_settings(key_entry("team-a", KEY_A, strategy="no-such-strategy")))
+
+
+_HEADER_TEXT = st.lists(
+    st.sampled_from([*" \t\x0b\x0c\x1c\x1f\x85\xa0é:,;", "Bearer", "bearer", "BEARER", "sk-x"])
+    | st.characters(min_codepoint=0x21, max_codepoint=0x7E)
+    | st.characters(min_codepoint=0x80, max_codepoint=0xFF),
+    max_size=12,
+).map("".join)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["authorization", "api-key", "Authorization", "host", "api-keys"]),
+            _HEADER_TEXT,
+        ),
+        max_size=4,
+    )
+)
+def test_the_key_read_from_the_wire_bytes_is_the_one_read_from_their_text(
+    headers: list[tuple[str, str]],
+) -> None:
+    """Whatever the headers hold (odd whitespace, another scheme, bytes past ASCII, an empty
+    value before a good one), the digest from the wire bytes is the digest of the key the
+    text reading presents."""
+    from proxy.auth import digest_of, presented_key
+    from proxy.auth.keys import presented_digest
+    from proxy.headers import as_text
+
+    raw = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+    presented = presented_key(as_text(raw))
+    assert presented_digest(raw) == (None if presented is None else digest_of(presented))
+
+
+async def test_a_key_is_recognised_again_after_a_reload_and_a_dropped_one_is_not(
+    tmp_path: Path,
+) -> None:
+    """The callers kept per key digest follow the ring: a key taken out of the keys file is
+    refused on the next request after the reload, however often it was let in before."""
+    from proxy.auth import Gate, KeySource
+    from proxy.errors import ProxyError
+
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps([key_entry("a", KEY_A), key_entry("b", KEY_B)]))
+    settings = make_settings(auth={"keys_file": str(keys_file), "reload_interval_s": 3600})
+    gate = Gate(settings, KeySource(settings.auth))
+    wire = [(b"authorization", f"Bearer {KEY_B}".encode())]
+    first = gate.admit(wire)
+    assert gate.admit(wire) is first and first.key_id == "b"
+    keys_file.write_text(json.dumps([key_entry("a", KEY_A)]))
+    gate.source.request_reload()
+    await gate.source.wait_reloaded()
+    with pytest.raises(ProxyError) as refused:
+        gate.admit(wire)
+    assert refused.value.status == 401
+    assert gate.admit([(b"api-key", KEY_A.encode())]).key_id == "a"
