@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from proxy import jsonbytes
 from proxy.auth import Caller, ProxyKey, check_model
+from proxy.compaction.protocol import Spend
 from proxy.compactor import Control, model_of
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
@@ -21,6 +22,7 @@ from proxy.headers import RawHeaders
 from proxy.jsonspans import Parsed, Spans
 from proxy.report import Outcome
 from proxy.settings import Settings
+from proxy.usage import ChatTap
 from proxy.validation import discard_messages, parse_chat, read_body
 
 
@@ -35,6 +37,7 @@ async def chat_completions(request: Request) -> Response:
         control: Control,
         parsed: Parsed,
         scope: str | None,
+        tap: ChatTap | None,
     ) -> tuple[httpx.Response, RawHeaders]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
         outcome = exchange.compacted(
@@ -46,13 +49,16 @@ async def chat_completions(request: Request) -> Response:
                 ),
                 scope=scope,
                 parsed=parsed,
+                spend=None if tap is None else tap.spend,
             )
         )
         tokens = exchange.record.tokens_after
         if tokens is None and state.quotas.counts_tokens(caller.key):  # not counted (mode off)
             tokens = await state.counter.acount_request(body)
+        if tap is not None:
+            tap.outcome = outcome
         # Sent now: the upstream request is made while the ledger answers, and sent after.
-        charging = state.quotas.charge(caller.key, tokens or 0)
+        charging = exchange.charge(caller.key, tokens or 0, tap)
         try:
             if outcome.messages is not None:
                 content = reencode(body, outcome.messages, content, parsed.spans)
@@ -78,41 +84,32 @@ async def chat_completions(request: Request) -> Response:
         control = parse_control(request)
         content, hide_usage = raw, False
         model = model_of(body)
+        tap: ChatTap | None = None
         if caller.key is not None:
             check_model(caller.key, model)
             control = key_control(request, control, caller.key)
             asked = state.meter.with_stream_usage(body, raw)
             if asked is not None:
                 (body, content), hide_usage = asked, True
+            # Accounted from here on, its summarizer calls as they answer (see unanswered).
+            tap = exchange.usage = state.meter.tap(
+                caller.key.id, model, Outcome(), hide_usage=hide_usage, spend=Spend()
+            )
         response, quota = await exchange.guard(
-            lambda: compact_and_forward(body, content, caller, control, parsed, scope)
+            lambda: compact_and_forward(body, content, caller, control, parsed, scope, tap)
         )
         if memo is None:  # (a kept body's messages are the memo's, and freed with it)
             await discard_messages(body)  # sent: only `model` is read from here on
-    except ProxyError as exc:
-        if exchange.forwarded:  # an upstream failure (502/504) after the quota charge
-            unanswered(exchange, sent=not exc.unsent)
+    except ProxyError as exc:  # (502/504 from the upstream: `unsent` when it never had it)
+        exchange.unanswered(sent=not exc.unsent)
         return exchange.error(exc, exchange.compaction_headers())
     except ClientDisconnected:
-        if exchange.forwarded:
-            unanswered(exchange, sent=True)
+        exchange.unanswered(sent=True)
         return exchange.disconnected()
     headers = exchange.compaction_headers()
-    if caller.key is None:
+    if tap is None:
         return await exchange.relay(response, headers)
-    outcome = exchange.outcome or Outcome()
-    tap = state.meter.tap(caller.key.id, model, outcome, hide_usage=hide_usage)
     return await exchange.relay(response, headers, tap, raw_headers=quota)
-
-
-def unanswered(exchange: Exchange, *, sent: bool) -> None:
-    """A keyed request let go upstream got no reply: its usage is recorded all the same
-    (see ChatTap.unanswered), so a key's usage counts every request its quota counted."""
-    caller = exchange.caller
-    if caller is not None and caller.key is not None:
-        model = exchange.record.model or ""
-        outcome = exchange.outcome or Outcome()
-        exchange.state.meter.tap(caller.key.id, model, outcome, hide_usage=False).unanswered(sent)
 
 
 def compacts(request: Request, caller: Caller, settings: Settings) -> bool:

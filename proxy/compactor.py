@@ -23,6 +23,7 @@ from proxy.compaction.protocol import (
     Compaction,
     Cut,
     Message,
+    Spend,
     Summarizer,
     SummarizerError,
     Summary,
@@ -173,6 +174,7 @@ class Job:
     spans: Spans | None = None  # where body["messages"] are in the client's bytes
     tools: int | None = None  # the tokens of the body's tool definitions (None: not counted)
     counts: Sequence[int] | None = None  # the tokens of each of spans.messages
+    spend: Spend | None = None  # what its summarizer calls cost, as they answer
 
     @property
     def messages(self) -> list[Message]:
@@ -231,8 +233,10 @@ class Compactor:
         client_headers: dict[str, str],
         scope: str | None,
         parsed: Parsed | None = None,
+        spend: Spend | None = None,
     ) -> Outcome:
-        """`client_headers`: what the summarizer call carries, as
+        """`spend`: told what each summarizer call costs as it answers.
+        `client_headers`: what the summarizer call carries, as
         `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant;
         `parsed`: the client's bytes and where the messages are in them (proxy.jsonspans);
         when the step runs and they are not known yet, they are found and `parsed.spans` set.
@@ -277,6 +281,7 @@ class Compactor:
                 spans,
                 tools,
                 counts,
+                spend,
             )
             decision = await self.decide(job)
         else:
@@ -335,7 +340,10 @@ class Compactor:
             plan = await planner.plan(
                 cut,
                 compaction,
-                _Deferred(partial(self.summarizer_for, job.summarizer_model, job.client_headers)),
+                _Deferred(
+                    partial(self.summarizer_for, job.summarizer_model, job.client_headers),
+                    job.spend,
+                ),
                 scope=scope,
                 namespace=self.namespace(job.summarizer_model, compaction),
                 budget=Budget(
@@ -506,18 +514,29 @@ class Compactor:
 
 
 class _Deferred:
-    """A summarizer made on its first call: a turn served from the store makes none."""
+    """A summarizer made on its first call: a turn served from the store makes none. Each
+    call the upstream answered is added to `spend` as it answers."""
 
-    __slots__ = ("_made", "_make")
+    __slots__ = ("_made", "_make", "_spend")
 
-    def __init__(self, make: Callable[[], Summarizer]) -> None:
+    def __init__(self, make: Callable[[], Summarizer], spend: Spend | None = None) -> None:
         self._make = make
         self._made: Summarizer | None = None
+        self._spend = spend
 
     async def summarize(self, system_prompt: str, messages: list[Message]) -> Summary:
         if self._made is None:
             self._made = self._make()
-        return await self._made.summarize(system_prompt, messages)
+        spend = self._spend
+        if spend is None:
+            return await self._made.summarize(system_prompt, messages)
+        try:
+            summary = await self._made.summarize(system_prompt, messages)
+        except SummarizerError as error:
+            spend.add(error.usage)
+            raise
+        spend.add(summary.usage)
+        return summary
 
 
 def _task_state(cut: Cut, summarized: int) -> Literal["verbatim", "summarized"] | None:

@@ -27,11 +27,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.auth import Caller
+from proxy.auth import Caller, ProxyKey
 from proxy.clearance import Clearance
 from proxy.disconnect import DisconnectWatch
 from proxy.errors import ProxyError
 from proxy.headers import REQUEST_ID, Headers, client_headers_of
+from proxy.quota.quotas import Charging
 from proxy.report import Outcome
 from proxy.state import ProxyState
 from proxy.upstream import ReplyTap, RequestContent
@@ -78,6 +79,20 @@ _current: ContextVar[Record | None] = ContextVar("compaction_proxy_exchange", de
 def current_record() -> Record | None:
     """The record of the request this code runs for (None outside any request)."""
     return _current.get()
+
+
+class UsageTap(Protocol):
+    """A keyed request's usage, for the ways it can end without a reply (proxy.usage's
+    ChatTap)."""
+
+    def unanswered(self, sent: bool) -> None:
+        """Let go upstream, no reply: one request (`sent`: the upstream may bill it)."""
+        ...
+
+    def given_up(self, counted: bool) -> None:
+        """Never let go upstream: one request if its quota charge `counted` it; else only
+        what its compaction step's summarizer calls used."""
+        ...
 
 
 class ExchangeSink(Protocol):
@@ -172,6 +187,7 @@ class Exchange:
     """A route handler's view of its request. Build one at the top of the handler."""
 
     __slots__ = (
+        "_charging",
         "_opened",
         "_timed",
         "_watch",
@@ -182,6 +198,7 @@ class Exchange:
         "request",
         "request_id",
         "state",
+        "usage",
     )
 
     def __init__(self, request: Request) -> None:
@@ -199,6 +216,8 @@ class Exchange:
         self._watch: DisconnectWatch | None = None
         self._opened = False  # `open` was called
         self._timed: _Timed | None = None  # its clearance, if any
+        self._charging: Charging | None = None  # the quota charge made by `charge`
+        self.usage: UsageTap | None = None  # the usage the request is accounted under
 
     def admit(self) -> Caller:
         """Who is calling (raises a 401 ProxyError with keys on and no known key)."""
@@ -269,6 +288,32 @@ class Exchange:
         record.upstream_status = response.status_code
         record.upstream_ttfb_s = time.perf_counter() - sent
         return response
+
+    def charge(self, key: ProxyKey | None, tokens: int, usage: UsageTap | None) -> Charging | None:
+        """The request's quota charge, sent now (see Quotas.charge; None: nothing to charge),
+        and `usage`, the usage the request is accounted under: told how a charge settled
+        when the request was given up before its verdict came back."""
+        self.usage = usage
+        charging = self._charging = self.state.quotas.charge(
+            key, tokens, None if usage is None else usage.given_up
+        )
+        return charging
+
+    def unanswered(self, *, sent: bool) -> None:
+        """The request ended without a reply (an error, or the client left): its usage, so
+        that a key's usage counts every request its quota counted. Let go upstream (see
+        `forwarded`): one request however it ended (`sent`: the upstream may have it and
+        bill its prompt; see ChatTap.unanswered). Not let go: only what its compaction step
+        spent, unless its charge is still settling (then that settlement records it)."""
+        usage = self.usage
+        if usage is None:
+            return
+        if self.forwarded:
+            usage.unanswered(sent)
+            return
+        charging = self._charging
+        if charging is None or not charging.settling:
+            usage.given_up(False)
 
     @property
     def forwarded(self) -> bool:

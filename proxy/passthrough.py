@@ -59,7 +59,7 @@ async def passthrough(request: Request) -> Response:
                 request.method, path, headers=headers, content=content, clearance=charging
             )
 
-        charging = exchange.state.quotas.charge(caller.key, 0)  # sent now, cleared in `open`
+        charging = exchange.charge(caller.key, 0, tap)  # sent now, cleared in `open`
         try:
             response = await (exchange.guard(send) if watch else send())
         except ClientDisconnected:
@@ -71,12 +71,10 @@ async def passthrough(request: Request) -> Response:
                 upload.raise_if_gone()
             raise
     except ProxyError as exc:
-        if tap is not None and exchange.forwarded:  # see chat.unanswered
-            tap.unanswered(sent=not exc.unsent)
+        exchange.unanswered(sent=not exc.unsent)
         return exchange.error(exc)
     except ClientDisconnected:
-        if tap is not None and exchange.forwarded:
-            tap.unanswered(sent=True)
+        exchange.unanswered(sent=True)
         return exchange.disconnected()
     quota = charging.headers if charging is not None else []
     return await exchange.relay(response, None, tap, watch=watch, raw_headers=quota)

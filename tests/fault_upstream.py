@@ -89,6 +89,8 @@ class FaultUpstream:
     connections: int = 0  # accepted so far
     connected: asyncio.Event = field(default_factory=asyncio.Event)  # one was accepted
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)  # opens "summarizer-gated"
+    summaries_answered: int = 0  # of "summarizer-then-hang"
     _server: asyncio.Server | None = None
 
     def requests_for(self, path_end: bytes) -> list[Seen]:
@@ -178,6 +180,19 @@ class FaultUpstream:
             await writer.drain()
             return False
         elif fault == "summary":
+            body = json.dumps(SUMMARY).encode()
+            writer.write(_reply(200, [(b"content-type", b"application/json")], body))
+        elif fault == "summarizer-then-hang":  # the first call answered, every later one held
+            self.summaries_answered += 1
+            if self.summaries_answered > 1:
+                await self._hold(reader)
+                return False
+            body = json.dumps(SUMMARY).encode()
+            writer.write(_reply(200, [(b"content-type", b"application/json")], body))
+        elif fault == "summarizer-gated":  # answered once the test opens the gate (bounded)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HOLD_S):
+                    await self.gate.wait()
             body = json.dumps(SUMMARY).encode()
             writer.write(_reply(200, [(b"content-type", b"application/json")], body))
         elif fault in ODD_HEADERS:

@@ -57,11 +57,36 @@ class Summarizer(Protocol):
 
 
 class SummarizerError(Exception):
-    """The summarizer failed; `reason` is a short code for the x-compaction-reason header."""
+    """The summarizer failed; `reason` is a short code for the x-compaction-reason header.
+    `usage`: what the failed call's reply reported (an answer without a usable summary is
+    billed all the same)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, usage: Usage | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.usage = usage if usage is not None else Usage()
+
+
+class Spend:
+    """What one request's summarizer calls cost, added as each answers (however the
+    request then ends: the upstream bills a call it answered). After `close(late)`,
+    usage that still comes in (a call another request kept waiting on) goes to `late`."""
+
+    __slots__ = ("_late", "usage")
+
+    def __init__(self) -> None:
+        self.usage = Usage()
+        self._late: Callable[[Usage], None] | None = None
+
+    def add(self, usage: Usage) -> None:
+        if not (usage.input_tokens or usage.output_tokens):
+            return
+        self.usage += usage
+        if self._late is not None:
+            self._late(usage)
+
+    def close(self, late: Callable[[Usage], None]) -> None:
+        self._late = late
 
 
 @dataclass(frozen=True)

@@ -292,7 +292,8 @@ def _parse_reply(response: httpx.Response) -> Summary:
         ) from None
     text = strip_reasoning(content_text(content)) if content is not None else ""
     if not text:
-        raise SummarizerError("summarizer_empty", "the summarizer's reply had no text")
+        usage = _usage(payload.get("usage")) if isinstance(payload, dict) else None
+        raise SummarizerError("summarizer_empty", "the summarizer's reply had no text", usage)
     choice = payload["choices"][0]
     if isinstance(choice, dict) and choice.get("finish_reason") == "length":
         # Kept (a cut summary beats none), but worth knowing: raise summary_max_tokens.

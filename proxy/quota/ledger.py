@@ -101,16 +101,34 @@ class UsageRow:
         return {"key": self.key, "model": self.model, "day": self.day, **counts, "cost_usd": cost}
 
 
+class LostVerdict(Protocol):
+    """Told the verdict of a charge whose caller stopped waiting for it (None: the ledger
+    could not get it)."""
+
+    def lost(self, charge: Charge | None) -> None: ...
+
+
 class Ledger(Protocol):
     name: str  # "memory" | "redis"
     errors: int  # backend failures so far
 
-    def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Awaitable[Charge]:
+    def charge(
+        self,
+        key_id: str,
+        limits: LimitArgs,
+        tokens: int,
+        w: Windows,
+        *,
+        lost: LostVerdict | None = None,
+    ) -> Awaitable[Charge]:
         """`w`: the windows of the request's time, computed once by the caller. A backend
         that talks to a server may send the charge before returning, so that its round trip
         overlaps what the caller does until it awaits the result (the request it admits is
-        only sent upstream after that). Awaited once, or closed unawaited if the request is
-        abandoned first."""
+        only sent upstream after that). Awaited once (by the caller, or to settle a charge
+        whose request was given up first). If that wait is cancelled once the charge may
+        have been sent, the backend asks again under the charge's id (counting nothing
+        twice) and tells `lost` the verdict; a backend whose charge never suspends never
+        sees that."""
         ...
 
     async def record(

@@ -8,6 +8,7 @@ from collections import defaultdict
 from proxy.quota.ledger import (
     Charge,
     LimitArgs,
+    LostVerdict,
     RecordId,
     UsageRow,
     decide,
@@ -49,7 +50,15 @@ class MemoryLedger:
         self._usage: dict[tuple[str, str, str], defaultdict[str, int]] = {}
         self._oldest_kept = ""
 
-    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
+    async def charge(
+        self,
+        key_id: str,
+        limits: LimitArgs,
+        tokens: int,
+        w: Windows,
+        *,
+        lost: LostVerdict | None = None,  # never told: this charge never suspends
+    ) -> Charge:
         c = self._counters.get(key_id)
         if c is None:
             c = self._counters[key_id] = _Counters()

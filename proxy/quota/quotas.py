@@ -8,6 +8,7 @@ cap still completes and the next one is refused.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -60,20 +61,27 @@ class Quotas:
         found = self._quotas[key.id] = _KeyQuota(key)
         return found
 
-    def charge(self, key: ProxyKey | None, tokens: int) -> Charging | None:
+    def charge(
+        self, key: ProxyKey | None, tokens: int, settled: Settled | None = None
+    ) -> Charging | None:
         """Count one request of `tokens` forwarded prompt tokens: the charge is on its way to
         the ledger when this returns, and `Charging.cleared` waits for its verdict (None: the
-        key has no limits, nothing to charge)."""
+        key has no limits, nothing to charge). `settled(counted)`: told, instead, of the
+        verdict of a charge whose request was given up before its verdict came back (see
+        `Charging.abandon`)."""
         if key is None or not key.limits.any:
             return None
         quota = self._quotas.get(key.id)
         if quota is None or quota.key is not key:
             quota = self._quota_of(key)
         now = self.clock()
+        charging = Charging(self, key, quota, tokens, now, settled)
         # The ledger reads only the window names: the whole second's windows (one tuple a
         # second); the exact resets are worked out where a header needs them.
-        sent = self.ledger.charge(key.id, quota.limits, tokens, whole_second(now))
-        return Charging(sent, self, key, quota, tokens, now)
+        charging.sent = self.ledger.charge(
+            key.id, quota.limits, tokens, whole_second(now), lost=charging
+        )
+        return charging
 
     def unavailable(self, exc: LedgerUnavailable) -> None:
         """A charge the ledger could not answer: through unmetered (on_error "open") or a
@@ -105,6 +113,14 @@ class Quotas:
         return _denial(key, limits, charge, tokens, exact, headers)
 
 
+# Told whether a given-up request's charge counted it (True) or not (denied, or the ledger
+# could not say).
+Settled = Callable[[bool], None]
+
+# Charges settling after their request was given up (kept referenced until they are done).
+_settling: set[asyncio.Task[None]] = set()
+
+
 class Charging:
     """One request's charge, sent to the ledger ahead of the upstream request it admits
     (see `proxy.clearance.Clearance`): making that request and taking a pooled connection
@@ -114,33 +130,47 @@ class Charging:
     "closed"; once it returns, `headers` are the remaining-quota headers for the reply, as
     wire bytes (made when read, after the request has gone). On a normal reply the
     upstream's own `x-ratelimit-*` pass through untouched, so the key's quota goes beside
-    them as `x-compaction-ratelimit-*`; a 429 carries OpenAI's own names."""
+    them as `x-compaction-ratelimit-*`; a 429 carries OpenAI's own names.
 
-    __slots__ = ("_charge", "_key", "_now", "_quota", "_quotas", "_sent", "_tokens")
+    A charge once made is settled however its request ends: given up before its verdict
+    came back (the client left while it was on its way, or while a connection was taken),
+    it is still counted or refused as the ledger decides, on every backend (Redis runs a
+    charge sent; the memory ledger runs one given up unasked), and `settled` is told which,
+    so usage can count the requests the quota counted."""
+
+    __slots__ = (
+        "_charge", "_key", "_now", "_quota", "_quotas", "_settled", "_tokens", "sent", "settling",
+    )  # fmt: skip
 
     def __init__(
         self,
-        sent: Awaitable[Charge],
         quotas: Quotas,
         key: ProxyKey,
         quota: _KeyQuota,
         tokens: int,
         now: float,
+        settled: Settled | None,
     ) -> None:
-        self._sent: Awaitable[Charge] | None = sent
+        self.sent: Awaitable[Charge] | None = None  # the ledger's answer, until asked for
         self._quotas, self._key, self._quota = quotas, key, quota
         self._tokens, self._now = tokens, now
         self._charge: Charge | None = None
+        self._settled = settled
+        # Given up before its verdict: `settled` will be told (see `abandon`, `lost`).
+        self.settling = False
 
     async def cleared(self) -> None:
         """Wait for the ledger's verdict (once; later calls return at once). The ledger's
         answer is awaited here, not in a helper coroutine: this frame is part of the
         request's stack every time it waits and resumes."""
-        sent, self._sent = self._sent, None
+        sent, self.sent = self.sent, None
         if sent is None:
             return
         try:
             charge = await sent
+        except asyncio.CancelledError:
+            self.settling = True  # the ledger asks again and tells `lost`
+            raise
         except LedgerUnavailable as exc:
             self._quotas.unavailable(exc)  # unmetered (no headers), or raises the 503
             return
@@ -155,10 +185,35 @@ class Charging:
         return [] if charge is None else self._quota.reply_headers(charge, self._now)
 
     def abandon(self) -> None:
-        """The request was given up before asking for the verdict: nobody will read it."""
-        sent, self._sent = self._sent, None
-        if isinstance(sent, Coroutine):
-            sent.close()
+        """The request was given up before asking for the verdict: the charge is settled
+        all the same (sent now if it was not yet), and `settled` told whether it counted."""
+        sent, self.sent = self.sent, None
+        if sent is None:
+            return
+        self.settling = True
+        try:
+            task = asyncio.get_running_loop().create_task(self._settle(sent))
+        except RuntimeError:  # no loop left (a request closed at exit): nothing to tell
+            if isinstance(sent, Coroutine):
+                sent.close()
+            return
+        _settling.add(task)
+        task.add_done_callback(_settling.discard)
+
+    async def _settle(self, sent: Awaitable[Charge]) -> None:
+        try:
+            charge: Charge | None = await sent
+        except LedgerUnavailable:
+            charge = None
+        self.lost(charge)
+
+    def lost(self, charge: Charge | None) -> None:
+        """The verdict of a charge whose request was given up (None: the ledger could not
+        give it): told to `settled`. The ledger calls this for a charge whose wait was
+        cancelled (see `Ledger.charge`)."""
+        settled = self._settled
+        if settled is not None:
+            settled(charge is not None and charge.denied is None)
 
 
 # OpenAI's names: x-ratelimit-{limit,remaining,reset}-{requests,tokens}.

@@ -48,6 +48,7 @@ from proxy.quota.ledger import (
     Charge,
     LedgerUnavailable,
     LimitArgs,
+    LostVerdict,
     RecordId,
     UsageRow,
     days_between,
@@ -228,15 +229,18 @@ class RedisLedger:
         w: Windows,
         *,
         charge_id: str | None = None,
+        lost: LostVerdict | None = None,
     ) -> Awaitable[Charge]:
         """`charge_id`: the same for every resend of one request's charge (made here if
         None); a second charge with an id already seen returns the first one's result.
+        `lost`: told the verdict of a charge whose wait was cancelled, asked for again
+        under its id (the script ran at most once; see `Ledger.charge`).
 
         On the proxy's own line, once open, the command is sent before this returns (see
         `Ledger.charge`); otherwise when the result is awaited."""
         line = self.line
         if line is None:
-            return self._pooled_charge(key_id, limits, tokens, w, charge_id)
+            return self._pooled_charge(key_id, limits, tokens, w, charge_id, lost)
         if self._clock() < self._retry_at:
             return self._unavailable()
         if charge_id is None and 0 <= tokens < _TOKENS_BELOW:
@@ -244,13 +248,34 @@ class RedisLedger:
         else:
             cid = charge_id or f"{self._id_prefix}{next(self._ids):016x}"
             command = self._command(key_id, limits, w, tokens, cid)
-        return self._line_charge(command, line.send_now(command))
+        return self._line_charge(command, line.send_now(command), lost)
+
+    def _ask_again(self, again: Callable[[], Awaitable[Charge]], lost: LostVerdict) -> None:
+        """A charge whose wait was cancelled: asked again under its id in the background
+        (the stored result of the script that ran, or it runs now), its verdict to `lost`."""
+
+        async def ask() -> None:
+            try:
+                charge: Charge | None = await again()
+            except (LedgerUnavailable, *_OUTAGE):
+                charge = None
+            lost.lost(charge)
+
+        task = asyncio.get_running_loop().create_task(ask())
+        self._senders.add(task)
+        task.add_done_callback(self._senders.discard)
 
     async def _unavailable(self) -> Charge:
         raise LedgerUnavailable(self.last_error or "redis unavailable")
 
     async def _pooled_charge(
-        self, key_id: str, limits: LimitArgs, tokens: int, w: Windows, charge_id: str | None
+        self,
+        key_id: str,
+        limits: LimitArgs,
+        tokens: int,
+        w: Windows,
+        charge_id: str | None,
+        lost: LostVerdict | None = None,
     ) -> Charge:
         keys = [
             self.key(key_id, "rpm", w.minute),
@@ -261,6 +286,14 @@ class RedisLedger:
             self.key(key_id, "charge", charge_id or os.urandom(16).hex()),
         ]
         args = [*_limit_args(limits), tokens, _MINUTE_TTL_S, _DAY_TTL_S, _CHARGE_TTL_S]
+        try:
+            return await self._pooled_result(keys, args)
+        except asyncio.CancelledError:
+            if lost is not None:  # sent, or about to be: the same keys (id) once more
+                self._ask_again(lambda: self._pooled_result(keys, args), lost)
+            raise
+
+    async def _pooled_result(self, keys: list[str], args: list[int]) -> Charge:
         if self._batching:
             result = await self._batched_charge(keys, args)
         else:
@@ -340,7 +373,9 @@ class RedisLedger:
             tail[tail.index(b"\r\n") + 2 :],
         )
 
-    async def _line_charge(self, command: bytes, sent: Awaitable[Any] | None) -> Charge:
+    async def _line_charge(
+        self, command: bytes, sent: Awaitable[Any] | None, lost: LostVerdict | None = None
+    ) -> Charge:
         """The charge's result: the reply to `sent` (None: not sent yet, the line connects
         first), resent once after a dropped connection and once after loading the script."""
         line = self.line
@@ -361,6 +396,10 @@ class RedisLedger:
             self.last_error = type(exc).__name__
             self._retry_at = self._clock() + self._retry_after_s
             raise LedgerUnavailable(self.last_error) from exc
+        except asyncio.CancelledError:
+            if lost is not None:  # the command (its charge id) once more: its stored result
+                self._ask_again(lambda: self._line_charge(command, None), lost)
+            raise
         return _charge_of(result)
 
     async def _batched_charge(self, keys: list[str], args: list[int]) -> bytes:

@@ -42,6 +42,7 @@ import httpx
 import orjson
 
 from proxy import jsonbytes
+from proxy.compaction.protocol import Spend, Usage
 from proxy.headers import RawHeaders
 from proxy.quota.ledger import NANO, USAGE_FIELDS, Ledger, LedgerUnavailable, RecordId
 from proxy.quota.windows import day_of
@@ -124,16 +125,24 @@ class Meter:
             return asked, raw.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}'
         return asked, jsonbytes.forwarded(asked)
 
-    def tap(self, key_id: str, model: str, outcome: Outcome, *, hide_usage: bool) -> ChatTap:
-        return ChatTap(self, key_id, model, outcome, hide_usage)
+    def tap(
+        self,
+        key_id: str,
+        model: str,
+        outcome: Outcome,
+        *,
+        hide_usage: bool,
+        spend: Spend | None = None,
+    ) -> ChatTap:
+        return ChatTap(self, key_id, model, outcome, hide_usage, spend)
 
     def cost_nano(
-        self, model: str, outcome: Outcome, prompt: int, cached: int, completion: int
+        self, model: str, summary: Usage, prompt: int, cached: int, completion: int
     ) -> tuple[int, bool]:
-        """Nano-dollars for the reply plus this request's summarizer calls; (cost, priced)."""
+        """Nano-dollars for the reply plus this request's summarizer calls (`summary`);
+        (cost, priced)."""
         price = self.pricing.price_of(model)
         usd = 0.0 if price is None else price.cost_usd(prompt, cached, completion)
-        summary = outcome.usage
         if summary.input_tokens or summary.output_tokens:
             summarizer = self.pricing.price_of(self.summarizer_model or model)
             if summarizer is not None:
@@ -320,21 +329,40 @@ def content_encoding(headers: httpx.Headers) -> str:
 
 
 class ChatTap:
-    """One chat reply's accounting; satisfies `proxy.upstream.ReplyTap`."""
+    """One chat reply's accounting; satisfies `proxy.upstream.ReplyTap`.
 
-    __slots__ = ("_stream", "_tail", "hide_usage", "key_id", "meter", "model", "outcome", "status")
+    `spend`: the request's summarizer calls as they answered (what the upstream billed for
+    them, the compaction step finished or not); without one, the outcome's usage."""
+
+    __slots__ = (
+        "_stream", "_tail", "hide_usage", "key_id", "meter", "model", "outcome", "spend",
+        "status",
+    )  # fmt: skip
 
     def __init__(
-        self, meter: Meter, key_id: str, model: str, outcome: Outcome, hide_usage: bool
+        self,
+        meter: Meter,
+        key_id: str,
+        model: str,
+        outcome: Outcome,
+        hide_usage: bool,
+        spend: Spend | None = None,
     ) -> None:
         self.meter = meter
         self.key_id = key_id
         self.model = model
         self.outcome = outcome
         self.hide_usage = hide_usage
+        self.spend = spend
         self.status = 0
         self._stream: StreamTap | None = None
         self._tail: BodyTail | None = None
+
+    @property
+    def summary(self) -> Usage:
+        """What the request's summarizer calls cost."""
+        spend = self.spend
+        return self.outcome.usage if spend is None else spend.usage
 
     def whole(self, status: int, headers: httpx.Headers, body: bytes) -> RawHeaders:
         if status >= 400:
@@ -383,13 +411,37 @@ class ChatTap:
         Not sent (the connection failed): nothing it could bill."""
         self._finish(sent, None, events=0)
 
+    def given_up(self, counted: bool) -> None:
+        """Never let go upstream (refused, failed, or the client left before): `counted`,
+        its quota charge counted it (the charge was made and settled though its request
+        went no further), so it is one request with no tokens, as one that never reached
+        the upstream; else not a request. Either way the summarizer calls its compaction
+        step made were billed by the upstream, and are recorded."""
+        if counted:
+            self._finish(False, None, events=0)
+        else:
+            self._summarized(self.summary)
+        if self.spend is not None:  # a call still running for another request: when it answers
+            self.spend.close(self._summarized)
+
+    def _summarized(self, summary: Usage) -> None:
+        """Summarizer calls alone (not a request)."""
+        if not (summary.input_tokens or summary.output_tokens):
+            return
+        meter, model = self.meter, self.model
+        cost, _ = meter.cost_nano(model, summary, 0, 0, 0)
+        meter.add(self.key_id, model, [
+            0, 0, 0, 0, 0, summary.input_tokens, summary.output_tokens, 0, cost, 0,
+        ])  # fmt: skip
+
     def _finish(
         self, billable: bool, reported: ReportedUsage | None, events: int
     ) -> tuple[int, bool]:
         """`billable`: the upstream took the request (a status under 400, or no reply to
         tell); else it refused or never saw it, and only the request is counted."""
         outcome = self.outcome
-        summary = outcome.usage
+        spend = self.spend
+        summary = outcome.usage if spend is None else spend.usage
         if billable:
             before = outcome.tokens_before
             after = outcome.tokens_after
@@ -410,7 +462,7 @@ class ChatTap:
         else:
             prompt = cached = completion = sent = saved = estimated = 0
         meter, model = self.meter, self.model
-        cost, priced = meter.cost_nano(model, outcome, prompt, cached, completion)
+        cost, priced = meter.cost_nano(model, summary, prompt, cached, completion)
         # USAGE_FIELDS order.
         meter.add(self.key_id, model, [
             1, sent, prompt, cached, completion, summary.input_tokens, summary.output_tokens,

@@ -843,8 +843,8 @@ def recording_ledger() -> tuple[Any, list[Any]]:
     seen: list[Any] = []
     charge_of = ledger.charge
 
-    async def charge(*args: Any) -> Any:
-        seen.append(await charge_of(*args))
+    async def charge(*args: Any, **kwargs: Any) -> Any:
+        seen.append(await charge_of(*args, **kwargs))
         return seen[-1]
 
     ledger.charge = charge  # type: ignore[method-assign]
