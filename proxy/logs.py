@@ -16,14 +16,15 @@ on the handler, so every line a request causes carries it, the summarizer's incl
 
 from __future__ import annotations
 
-import json
 import logging
 import logging.config
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
+from proxy import accessline
+from proxy.accessline import text_value
 from proxy.exchange import Record, current_record
 
 LogFormat = Literal["text", "json"]
@@ -57,32 +58,29 @@ class TextFormatter(logging.Formatter):
         parts = [line]
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
-            parts.append(f"request_id={_text_value(request_id)}")
+            parts.append(f"request_id={text_value(request_id)}")
         for key, value in record.__dict__.items():
             if key not in _NOT_FIELDS and value is not None:
-                parts.append(f"{key}={_text_value(value)}")
+                parts.append(f"{key}={text_value(value)}")
         return " ".join(parts)
 
 
-def _text_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = str(value)
-    if not text or any(c in text for c in ' ="\n'):
-        return json.dumps(text, ensure_ascii=False)
-    return text
+class ProxyJsonFormatter(JsonFormatter):
+    """One JSON object per line: level, logger, message, the fields, request_id, and time
+    (ISO 8601, UTC)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            _JSON_FORMAT,
+            timestamp="time",
+            rename_fields=_JSON_RENAME,
+            reserved_attrs=sorted(_NOT_FIELDS - {"request_id"}),
+            json_ensure_ascii=False,
+        )
 
 
 def json_formatter() -> logging.Formatter:
-    """One JSON object per line: time (ISO 8601, UTC), level, logger, message, request_id, then
-    the fields."""
-    return JsonFormatter(
-        _JSON_FORMAT,
-        timestamp="time",
-        rename_fields=_JSON_RENAME,
-        reserved_attrs=sorted(_NOT_FIELDS - {"request_id"}),
-        json_ensure_ascii=False,
-    )
+    return ProxyJsonFormatter()
 
 
 def formatter(log_format: LogFormat) -> logging.Formatter:
@@ -100,7 +98,7 @@ def log_config(level: str, log_format: LogFormat) -> dict[str, Any]:
         "formatters": {"proxy": {"()": formatter, "log_format": log_format}},
         "handlers": {
             "stderr": {
-                "class": "logging.StreamHandler",
+                "class": "proxy.logs.ProxyStreamHandler",
                 "stream": "ext://sys.stderr",
                 "formatter": "proxy",
                 "filters": ["request_id"],
@@ -117,9 +115,34 @@ def log_config(level: str, log_format: LogFormat) -> dict[str, Any]:
     }
 
 
+class ProxyStreamHandler(logging.StreamHandler[TextIO]):
+    """The stderr handler of `log_config`: a StreamHandler the access line may also write to
+    directly, under the same lock, with the same flush after every line."""
+
+    def write_line(self, line: str, record: Record, request_id: str | None) -> None:
+        """What `handle` then `emit` do once the line is formatted."""
+        self.acquire()
+        try:
+            self.stream.write(line + self.terminator)
+            self.flush()
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(_log_record(record, request_id))
+        finally:
+            self.release()
+
+
+_TEXT_CLOCK = accessline.TextClock()
+
+
 class AccessLog:
     """An ExchangeSink: one INFO line per request when it is over. Never content, credentials
-    or the query string (`path` is the path only)."""
+    or the query string (`path` is the path only).
+
+    With the proxy's own `log_config` in force (nothing added to or taken from it since), the
+    line is rendered here and written to its stderr handler directly (`accessline`): the same
+    bytes, without the LogRecord. Any other configuration gets a logging call, as always."""
 
     def started(self, record: Record) -> None:
         pass
@@ -130,31 +153,89 @@ class AccessLog:
     def finished(self, record: Record) -> None:
         if not access_log.isEnabledFor(logging.INFO):
             return
-        access_log.info(
-            "%s %s %s",
-            record.method,
-            record.path,
-            record.status,
-            extra={
-                "method": record.method,
-                "path": record.path,
-                "route": record.route,
-                "status": record.status,
-                "model": record.model,
-                "stream": record.stream,
-                "tokens_before": record.tokens_before,
-                "tokens_after": record.tokens_after,
-                "compaction": record.compaction,
-                "compaction_reason": record.compaction_reason,
-                "cache": record.cache,
-                "upstream_status": record.upstream_status,
-                "upstream_ttfb_ms": _ms(record.upstream_ttfb_s),
-                "duration_ms": _ms(record.duration_s),
-                "client": record.client,
-                "key_id": record.key_id,
-            },
-        )
+        handler = _direct_handler()
+        if handler is None:
+            _log(record)
+            return
+        formatter = handler.formatter
+        exchange = current_record()
+        request_id = exchange.request_id if exchange is not None else None
+        created, msecs = accessline.clock()
+        if type(formatter) is TextFormatter:
+            asctime = _TEXT_CLOCK.asctime(
+                created,
+                msecs,
+                formatter.converter,
+                formatter.default_time_format,
+                formatter.default_msec_format,
+            )
+            head = f"{asctime} {logging.getLevelName(logging.INFO)} {access_log.name} "
+            line = accessline.text_line(head + accessline.message(record), record, request_id)
+        else:
+            line = accessline.json_line(
+                logging.getLevelName(logging.INFO), access_log.name, record, request_id, created
+            )
+        handler.write_line(line, record, request_id)
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 2)
+def _direct_handler() -> ProxyStreamHandler | None:
+    """The handler a logging call would reach, if writing to it directly makes the same line:
+    `proxy.access` and the loggers between it and the root adding no handler and propagating,
+    no filter on `proxy.access`, the stock LogRecord, and the root's only handler the one
+    `log_config` made, with its request-id filter and one of its formatters, unchanged."""
+    logger = access_log
+    if logger.handlers or logger.filters or not logger.propagate:
+        return None
+    if logging.getLogRecordFactory() is not logging.LogRecord:
+        return None
+    root = logging.root
+    node = logger.parent
+    while node is not root:
+        if node is None or node.handlers or not node.propagate:
+            return None
+        node = node.parent
+    handlers = root.handlers
+    if len(handlers) != 1:
+        return None
+    handler = handlers[0]
+    if type(handler) is not ProxyStreamHandler or handler.level > logging.INFO:
+        return None
+    filters = handler.filters
+    if len(filters) != 1 or type(filters[0]) is not RequestIdFilter:
+        return None
+    formatter = handler.formatter
+    kind = type(formatter)
+    if kind is TextFormatter:
+        assert formatter is not None
+        if formatter.datefmt is not None or formatter._fmt != _TEXT_FORMAT:
+            return None
+    elif kind is not ProxyJsonFormatter:
+        return None
+    return handler
+
+
+def _log(record: Record) -> None:
+    """The access line as a logging call, for any logging configuration."""
+    access_log.info(
+        "%s %s %s",
+        record.method,
+        record.path,
+        record.status,
+        extra=dict(zip(accessline.FIELDS, accessline.field_values(record), strict=True)),
+    )
+
+
+def _log_record(record: Record, request_id: str | None) -> logging.LogRecord:
+    """The LogRecord the logging call would have made, for `handleError`'s report."""
+    made = access_log.makeRecord(
+        access_log.name,
+        logging.INFO,
+        __file__,
+        0,
+        "%s %s %s",
+        (record.method, record.path, record.status),
+        None,
+        extra=dict(zip(accessline.FIELDS, accessline.field_values(record), strict=True)),
+    )
+    made.request_id = request_id
+    return made

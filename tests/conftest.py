@@ -114,7 +114,7 @@ def preserved_logging() -> Iterator[None]:
     """For tests that configure logging as `serve` does: the loggers it touches are put back."""
     import logging
 
-    names = ("", "httpx", "uvicorn", "uvicorn.error", "uvicorn.access")
+    names = ("", "httpx", "uvicorn", "uvicorn.error", "uvicorn.access", "proxy", "proxy.access")
     saved = [(lg, lg.level, lg.handlers[:], lg.propagate, lg.filters[:])
              for lg in map(logging.getLogger, names)]  # fmt: skip
     try:
