@@ -82,16 +82,22 @@ class Gate:
         if source.path is not None:  # keys from a file: it may have changed
             source.maybe_reload()
         digest = presented_digest(raw_headers)
-        ring = source.ring
-        if ring is not self._ring:  # a reloaded key gets a new caller
+        if digest is not None and source.ring is self._ring:
+            caller = self._by_digest.get(digest)
+            if caller is not None:
+                return caller
+        return self._first(source.ring, digest)
+
+    def _first(self, ring: KeyRing, digest: bytes | None) -> Caller:
+        """The caller of a key not seen with this ring yet (its first request since start or
+        since a reload: a reloaded key gets a new caller), or a 401 (no key, an unknown one)."""
+        if ring is not self._ring:
             self._ring, self._by_digest = ring, {}
-        caller = self._by_digest.get(digest) if digest is not None else None
-        if caller is None:
-            key = authenticate(ring, digest)
-            upstream = key.upstream_api_key or self._upstream_key
-            scope = scope_for(None, self.settings.cache.scope, key_id=key.id)
-            caller = Caller(key, upstream, self._summarizer_key or upstream, scope, key.id)
-            self._by_digest[key.digest] = caller
+        key = authenticate(ring, digest)
+        upstream = key.upstream_api_key or self._upstream_key
+        scope = scope_for(None, self.settings.cache.scope, key_id=key.id)
+        caller = Caller(key, upstream, self._summarizer_key or upstream, scope, key.id)
+        self._by_digest[key.digest] = caller
         return caller
 
     def scope(self, caller: Caller, client_headers: Headers) -> str | None:

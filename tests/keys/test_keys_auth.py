@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -422,6 +423,29 @@ def test_the_key_read_from_the_wire_bytes_is_the_one_read_from_their_text(
     raw = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
     presented = presented_key(as_text(raw))
     assert presented_digest(raw) == (None if presented is None else digest_of(presented))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"Bearer sk-x", b"Bearer  sk-x \t", b"Bearer ", b"Bearer \x0b", b"Bearer a b",
+        b"bearer sk-x", b"BEARER sk-x", b" Bearer sk-x", b"Bearer\tsk-x", b"Bearer", b"Basic sk-x",
+        b"Bearer \xe9", b"sk-x",
+    ],
+)
+@pytest.mark.parametrize("name", [b"authorization", b"Authorization"])
+def test_the_bearer_forms_give_the_text_readings_digest(name: bytes, value: bytes) -> None:
+    """The usual `Bearer <key>` (read without parsing the scheme) and its variants each give
+    the digest of the key the text reading presents, or none; a header without a key lets a
+    later one be read."""
+    from proxy.auth import digest_of, presented_key
+    from proxy.auth.keys import presented_digest
+    from proxy.headers import as_text
+
+    for raw in ([(name, value)], [(name, value), (b"api-key", b"sk-later")]):
+        presented = presented_key(as_text(raw))
+        assert presented_digest(raw) == (None if presented is None else digest_of(presented))
+    assert presented_digest([(name, b"Bearer sk-x ")]) == hashlib.sha256(b"sk-x").digest()
 
 
 async def test_a_key_is_recognised_again_after_a_reload_and_a_dropped_one_is_not(
