@@ -11,6 +11,7 @@ import httpx
 import pytest
 import respx
 
+from proxy.usage.meter import content_encoding
 from proxy.usage.tap import StreamTap, usage_of_body
 from tests.keys.conftest import KEY_A, KEY_B, bearer, chat, history_chat, key_entry, keyed_settings
 from tests.upstream_fakes import is_summarizer_call
@@ -300,6 +301,23 @@ def test_usage_of_a_gzipped_body_is_read_from_a_decoded_copy() -> None:
     assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (3, 4)
     assert usage_of_body(b"not json") is None
     assert usage_of_body(body, "br") is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        [(b"content-type", b"text/event-stream")],
+        [(b"Content-Encoding", b"gzip")],
+        [(b"content-encoding", b"gzip"), (b"x-other", b"1"), (b"CONTENT-ENCODING", b" br")],
+        [(b"content-encoding", "\u00e9".encode())],
+    ],
+)
+def test_content_encoding_reads_as_headers_get_does(raw: list[tuple[bytes, bytes]]) -> None:
+    """What decides whether a reply's body is read or passed untouched: every value of every
+    casing, joined, decoded as httpx decodes it; "" when there is none."""
+    headers = httpx.Headers(raw)
+    assert content_encoding(headers) == headers.get("content-encoding", "")
 
 
 async def test_usage_of_other_billed_routes_is_recorded_too(
