@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -193,6 +194,27 @@ def upstream(
         if pids is not None:
             pids.append(proc.pid)  # taskset execs: the upstream's own pid
         yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextmanager
+def redis_server() -> Iterator[str | None]:
+    """A private `redis-server` on a free loopback port, pinned next to the load generator
+    like the upstream (so it never takes the server's CPU, and nobody else's traffic is in
+    the measurement); its URL, or None when `redis-server` is not installed (then the
+    caller falls back to the shared 127.0.0.1:6379)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        yield None
+        return
+    port = free_port()
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(_pin(CLIENT_CPU, cmd), stdout=subprocess.DEVNULL)
+    try:
+        _wait_listening(port, proc)
+        yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()
         proc.wait(10)

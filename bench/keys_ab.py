@@ -6,7 +6,8 @@
 Each tree runs three servers side by side (bench/overhead.py's `proxy`, `keys-memory` and
 `keys-redis`, uvicorn pinned to the server CPU, one bench upstream), and the load generator
 goes round all of them every cell, so each keys cell has a `proxy` cell of the same tree
-next to it in time. Printed per tree and concurrency: median server CPU us/req of `proxy`,
+next to it in time (keys-redis on a private `redis-server` pinned beside the load generator,
+as in bench/overhead.py). Printed per tree and concurrency: median server CPU us/req of `proxy`,
 and for each keys target the median of the per-round keys/proxy CPU ratios and differences,
 p50 difference and req/s ratio (the goals: +0.3 ms p50 at c1, >= 0.90x req/s at c64).
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from bench import harness
 from bench.ab import _start
-from bench.overhead import KEY_TARGETS, _drop_redis_keys
+from bench.overhead import KEY_TARGETS, _drop_redis_keys, key_env
 
 TARGETS = ("proxy", "keys-memory", "keys-redis")
 
@@ -37,14 +38,14 @@ def main() -> None:
     harness.warn_without_tokenizer()
     results: dict[tuple[str, str, int], list[harness.Result]] = {}
     trees = [str(tree.resolve()) for tree in args.trees]
-    with harness.upstream() as up_port:
+    with harness.upstream() as up_port, harness.redis_server() as redis_url:
         env["COMPACTION_PROXY_UPSTREAM__BASE_URL"] = f"http://127.0.0.1:{up_port}/v1"
         servers: dict[tuple[str, str], tuple[subprocess.Popen[bytes], int]] = {}
         try:
             for tree in trees:
                 for target in TARGETS:
                     port = harness.free_port()
-                    target_env = env | KEY_TARGETS.get(target, {})
+                    target_env = env | key_env(target, redis_url)
                     servers[(tree, target)] = (_start(Path(tree), port, target_env), port)
             for _ in range(args.rounds):
                 for conc in args.concurrency:
@@ -57,7 +58,8 @@ def main() -> None:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(10)
-            _drop_redis_keys(KEY_TARGETS["keys-redis"]["COMPACTION_PROXY_QUOTA__KEY_PREFIX"])
+            if redis_url is None:  # the shared Redis: only the bench's own keys go
+                _drop_redis_keys(KEY_TARGETS["keys-redis"]["COMPACTION_PROXY_QUOTA__KEY_PREFIX"])
     med = statistics.median
     for conc in args.concurrency:
         for tree in trees:

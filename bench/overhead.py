@@ -7,8 +7,10 @@ httpx: the baseline of this stack), `proxy` (proxy.app:create_app as users run i
 pointed at the bench upstream; compaction on with the default budget, so the small and ~30k-
 token bodies pass through after token counting), `keys-memory` / `keys-redis` (the same proxy
 with a proxy key that has every quota set, high enough never to refuse, memory or Redis quota
-backend at 127.0.0.1:6379 under a random prefix: the quota check, usage accounting and stream
-usage tap on every request; compare with `proxy`, same run), `litellm` (LiteLLM's proxy,
+backend: the quota check, usage accounting and stream usage tap on every request; compare with
+`proxy`, same run; keys-redis talks to a private `redis-server` pinned to the load generator's
+CPU, as the upstream is, so Redis never runs on the server's CPU and no one else's traffic
+reaches it; `--redis shared` uses 127.0.0.1:6379 under a random prefix), `litellm` (LiteLLM's proxy,
 pinned version, in its own venv, one worker, routed to the same upstream: bench/litellm_peer.py;
 bench/peers.py runs the comparison). Each is a server subprocess pinned to CPU 0; upstream
 and load generator share CPU 1 (see bench/harness.py). Repeats are interleaved across
@@ -72,6 +74,15 @@ KEY_TARGETS: dict[str, dict[str, str]] = {
 Cell = tuple[str, int, str, str]  # target label, concurrency, body, stream
 
 
+def key_env(target: str, redis_url: str | None = None) -> dict[str, str]:
+    """A target's own environment; keys-redis's quota Redis at `redis_url` when given
+    (else the shared 127.0.0.1:6379, the settings' default)."""
+    env = dict(KEY_TARGETS.get(target, {}))
+    if target == "keys-redis" and redis_url is not None:
+        env["COMPACTION_PROXY_QUOTA__REDIS_URL"] = redis_url
+    return env
+
+
 def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
     """Run the matrix, print the table; returns the medians (for bench/peers.py)."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -101,6 +112,11 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
         help="keys goals at c1: rounds of paired turns (0: from the table's medians only)",
     )  # fmt: skip
     parser.add_argument("--paired-slice", type=float, default=0.3, help="seconds per turn")
+    parser.add_argument(
+        "--redis", choices=["private", "shared"], default="private",
+        help="keys-redis's Redis: a private redis-server pinned beside the load generator "
+        "(default; the shared 127.0.0.1:6379 when redis-server is not installed) or the shared one",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     litellm_venv = None
     if "litellm" in args.targets:
@@ -113,6 +129,9 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
     results: dict[Cell, list[harness.Result]] = {}
     incidents: list[str] = []  # servers that died, cells the load generator failed
     with harness.upstream() as up_port, contextlib.ExitStack() as stack:
+        redis_url = None
+        if args.redis == "private" and "keys-redis" in args.targets:
+            redis_url = stack.enter_context(harness.redis_server())
         up_url = f"http://127.0.0.1:{up_port}"
         env |= {"BENCH_UPSTREAM": up_url, "COMPACTION_PROXY_UPSTREAM__BASE_URL": f"{up_url}/v1"}
         env |= {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
@@ -134,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
                 app = apps.get(name, apps["proxy"])
                 launch[label] = _launcher(
                     lambda port, a=app, k=kind: harness.uvicorn_cmd(a, port, k),
-                    env | KEY_TARGETS.get(name, {}),
+                    env | key_env(name, redis_url),
                 )
         targets: dict[str, harness.Server | None] = {"direct": None}
         for label, start in launch.items():
@@ -201,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
     for line in incidents:
         print(f"  ! {line}")
     _memory(med, targets, hwm, args)
-    if "keys-redis" in targets:
+    if "keys-redis" in targets and redis_url is None:  # a private server is gone already
         _drop_redis_keys(KEY_TARGETS["keys-redis"]["COMPACTION_PROXY_QUOTA__KEY_PREFIX"])
     if "proxy" in targets and any(t in targets for t in KEY_TARGETS):
         _key_goals(med, args, [t for t in KEY_TARGETS if t in targets], paired)
