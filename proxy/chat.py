@@ -20,7 +20,7 @@ from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
 from proxy.headers import RawHeaders
 from proxy.jsonspans import Parsed, Spans
-from proxy.report import Outcome
+from proxy.report import PASSTHROUGH
 from proxy.settings import Settings
 from proxy.usage import ChatTap
 from proxy.validation import discard_messages, parse_chat, read_body
@@ -93,7 +93,7 @@ async def chat_completions(request: Request) -> Response:
                 (body, content), hide_usage = asked, True
             # Accounted from here on, its summarizer calls as they answer (see unanswered).
             tap = exchange.usage = state.meter.tap(
-                caller.key.id, model, Outcome(), hide_usage=hide_usage, spend=Spend()
+                caller.key.id, model, PASSTHROUGH, hide_usage=hide_usage, spend=Spend()
             )
         response, quota = await exchange.guard(
             lambda: compact_and_forward(body, content, caller, control, parsed, scope, tap)

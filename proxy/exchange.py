@@ -33,7 +33,7 @@ from proxy.disconnect import DisconnectWatch
 from proxy.errors import ProxyError
 from proxy.headers import REQUEST_ID, Headers, client_headers_of
 from proxy.quota.quotas import Charging
-from proxy.report import Outcome
+from proxy.report import PASSTHROUGH, Outcome
 from proxy.state import ProxyState
 from proxy.upstream import ReplyTap, RequestContent
 
@@ -249,7 +249,7 @@ class Exchange:
 
     def compaction_headers(self) -> dict[str, str]:
         """The `x-compaction-*` headers; before the step ran they report a plain passthrough."""
-        outcome = self.outcome if self.outcome is not None else Outcome()
+        outcome = self.outcome if self.outcome is not None else PASSTHROUGH
         overhead = self.record.overhead_s
         return outcome.headers(self.elapsed_ms() if overhead is None else overhead * 1000)
 

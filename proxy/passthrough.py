@@ -17,7 +17,7 @@ from proxy.auth import check_model
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
 from proxy.paths import upstream_path
-from proxy.report import Outcome
+from proxy.report import PASSTHROUGH
 from proxy.upstream import RequestContent
 from proxy.usage import ChatTap
 from proxy.validation import Upload, read_body
@@ -45,7 +45,7 @@ async def passthrough(request: Request) -> Response:
                 check_model(caller.key, model)
                 if model and request.method == "POST":  # a billed call: embeddings, responses...
                     tap = exchange.state.meter.tap(
-                        caller.key.id, model, Outcome(), hide_usage=False
+                        caller.key.id, model, PASSTHROUGH, hide_usage=False
                     )
         elif length is not None or chunked:
             upload = Upload(request)

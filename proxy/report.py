@@ -88,3 +88,8 @@ class Outcome:
         if overhead_ms is not None:
             headers["x-compaction-overhead-ms"] = f"{overhead_ms:.1f}"
         return headers
+
+
+# Before the compaction step has decided (or with no step at all): a plain passthrough. One
+# shared instance: Outcome is frozen, and making one costs a setattr per field.
+PASSTHROUGH = Outcome()

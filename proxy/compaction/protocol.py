@@ -37,6 +37,9 @@ class Usage:
         )
 
 
+NO_USAGE = Usage()
+
+
 @dataclass(frozen=True)
 class Summary:
     """One summarizer reply, reasoning already removed."""
@@ -75,7 +78,7 @@ class Spend:
     __slots__ = ("_late", "usage")
 
     def __init__(self) -> None:
-        self.usage = Usage()
+        self.usage = NO_USAGE  # (frozen: `add` makes a new one)
         self._late: Callable[[Usage], None] | None = None
 
     def add(self, usage: Usage) -> None:
