@@ -159,37 +159,13 @@ def _request_id(raw_headers: Iterable[tuple[bytes, bytes]]) -> str:
     return f"req_{os.urandom(16).hex()}"  # 128 random bits, as uuid4 (~5x cheaper)
 
 
-class _Timed:
-    """A clearance that notes when it cleared: the upstream request goes out then
-    (`cleared_at`: 0 not asked yet, -1 asked and not cleared)."""
-
-    __slots__ = ("clearance", "cleared_at", "record")
-
-    def __init__(self, clearance: Clearance, record: Record) -> None:
-        self.clearance = clearance
-        self.record = record
-        self.cleared_at = 0.0
-
-    async def cleared(self) -> None:
-        if self.cleared_at:
-            return
-        self.cleared_at = -1.0  # asked: a refusal, once raised, stays one (not cleared)
-        await self.clearance.cleared()
-        record = self.record
-        self.cleared_at = now = time.perf_counter()
-        record.overhead_s = now - record.started
-
-    def abandon(self) -> None:
-        self.clearance.abandon()
-
-
 class Exchange:
     """A route handler's view of its request. Build one at the top of the handler."""
 
     __slots__ = (
         "_charging",
+        "_clearance",
         "_opened",
-        "_timed",
         "_watch",
         "caller",
         "client_headers",
@@ -215,7 +191,7 @@ class Exchange:
         self.caller: Caller | None = None
         self._watch: DisconnectWatch | None = None
         self._opened = False  # `open` was called
-        self._timed: _Timed | None = None  # its clearance, if any
+        self._clearance: Clearance | None = None  # its clearance, if any
         self._charging: Charging | None = None  # the quota charge made by `charge`
         self.usage: UsageTap | None = None  # the usage the request is accounted under
 
@@ -271,20 +247,24 @@ class Exchange:
         With `clearance` (a quota charge on its way), the request is built while it is
         waited for and only sent once it clears (see proxy.transport.Clearance)."""
         record = self.record
-        timed = self._timed = None if clearance is None else _Timed(clearance, record)
+        self._clearance = clearance
         self._opened = True
         sent = time.perf_counter()
         record.overhead_s = sent - record.started
-        response = await self.state.upstream.open(
-            method,
-            path,
-            headers=headers,
-            content=content,
-            query=self.request.scope.get("query_string", b""),
-            clearance=timed,
-        )
-        if timed is not None:
-            sent = timed.cleared_at
+        try:
+            response = await self.state.upstream.open(
+                method,
+                path,
+                headers=headers,
+                content=content,
+                query=self.request.scope.get("query_string", b""),
+                clearance=clearance,
+            )
+        finally:
+            # The request went out when its clearance cleared (refused: it never did).
+            if clearance is not None and clearance.cleared_at > 0.0:
+                sent = clearance.cleared_at
+                record.overhead_s = sent - record.started
         record.upstream_status = response.status_code
         record.upstream_ttfb_s = time.perf_counter() - sent
         return response
@@ -323,8 +303,8 @@ class Exchange:
         for."""
         if not self._opened:
             return False
-        timed = self._timed
-        return timed is None or timed.cleared_at > 0.0
+        clearance = self._clearance
+        return clearance is None or clearance.cleared_at > 0.0
 
     def _watching(self) -> DisconnectWatch:
         watch = self._watch

@@ -147,7 +147,9 @@ class Upstream:
         try:
             return await self._open(method, path, headers, content, query, clearance)
         except Exception:
-            await clearance.cleared()  # returns at once when it was asked already
+            waiting = clearance.cleared()  # None at once when it was asked already
+            if waiting is not None:
+                await waiting
             raise
         except BaseException:
             clearance.abandon()
@@ -186,7 +188,9 @@ class Upstream:
             ) from None
         request.extensions["timeout"] = self._timeouts
         if clearance is not None:
-            await clearance.cleared()
+            waiting = clearance.cleared()
+            if waiting is not None:
+                await waiting
         try:
             return await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:

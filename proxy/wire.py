@@ -587,7 +587,9 @@ async def send(
         connection = await pool.connect(key, timeouts.get("connect"))
     if clearance is not None:
         try:
-            await clearance.cleared()
+            waiting = clearance.cleared()
+            if waiting is not None:
+                await waiting
         except BaseException:
             pool.put(connection)
             raise

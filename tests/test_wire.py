@@ -201,6 +201,7 @@ class Verdict:
 
     def __init__(self, refuse: Exception | None = None) -> None:
         self.refuse = refuse
+        self.cleared_at = 0.0
         self.go = asyncio.Event()
         self.waiting = asyncio.Event()
 

@@ -152,29 +152,6 @@ class Ledger(Protocol):
     async def close(self) -> None: ...
 
 
-def decide(
-    limits: LimitArgs,
-    tokens: int,
-    requests: int,
-    tokens_minute: int,
-    tokens_day: int,
-    spend_day_nano: int,
-    spend_month_nano: int,
-) -> Denial | None:
-    """The first limit this request would break, given the counters before it."""
-    if limits.requests and requests + 1 > limits.requests:
-        return "requests"
-    if limits.tokens_minute and tokens_minute + tokens > limits.tokens_minute:
-        return "tokens_minute"
-    if limits.tokens_day and tokens_day + tokens > limits.tokens_day:
-        return "tokens_day"
-    if limits.spend_day_nano and spend_day_nano >= limits.spend_day_nano:
-        return "spend_day"
-    if limits.spend_month_nano and spend_month_nano >= limits.spend_month_nano:
-        return "spend_month"
-    return None
-
-
 def oldest_kept_day(day: str, retention_days: int) -> str:
     start = dt.date.fromisoformat(day) - dt.timedelta(days=retention_days - 1)
     return start.isoformat()

@@ -40,6 +40,11 @@ class Quotas:
         self.rejected = 0
         self._log = RateLimitedLog(log)
         self._quotas: dict[str, _KeyQuota] = {}
+        # A ledger that answers without waiting (memory) decides a charge in `cleared`'s
+        # own frame: no awaitable, no coroutine on the request's stack.
+        self.charge_now: Callable[[str, LimitArgs, int, Windows], Charge] | None = getattr(
+            ledger, "charge_now", None
+        )
 
     def counts_tokens(self, key: ProxyKey | None) -> bool:
         """Does this key's quota need the request's prompt tokens?"""
@@ -76,6 +81,8 @@ class Quotas:
             quota = self._quota_of(key)
         now = self.clock()
         charging = Charging(self, key, quota, tokens, now, settled)
+        if self.charge_now is not None:
+            return charging  # decided when asked for (or given up)
         # The ledger reads only the window names: the whole second's windows (one tuple a
         # second); the exact resets are worked out where a header needs them.
         charging.sent = self.ledger.charge(
@@ -124,10 +131,10 @@ _settling: set[asyncio.Task[None]] = set()
 class Charging:
     """One request's charge, sent to the ledger ahead of the upstream request it admits
     (see `proxy.clearance.Clearance`): making that request and taking a pooled connection
-    overlap the ledger's round trip, and nothing goes upstream before `cleared` returns.
+    overlap the ledger's round trip, and nothing goes upstream before `cleared` says so.
 
     `cleared` raises ProxyError 429 over a limit, 503 if the ledger is down and on_error =
-    "closed"; once it returns, `headers` are the remaining-quota headers for the reply, as
+    "closed"; once it has cleared, `headers` are the remaining-quota headers for the reply, as
     wire bytes (made when read, after the request has gone). On a normal reply the
     upstream's own `x-ratelimit-*` pass through untouched, so the key's quota goes beside
     them as `x-compaction-ratelimit-*`; a 429 carries OpenAI's own names.
@@ -139,7 +146,8 @@ class Charging:
     so usage can count the requests the quota counted."""
 
     __slots__ = (
-        "_charge", "_key", "_now", "_quota", "_quotas", "_settled", "_tokens", "sent", "settling",
+        "_charge", "_key", "_now", "_quota", "_quotas", "_settled", "_tokens", "cleared_at", "sent",
+        "settling",
     )  # fmt: skip
 
     def __init__(
@@ -151,21 +159,52 @@ class Charging:
         now: float,
         settled: Settled | None,
     ) -> None:
-        self.sent: Awaitable[Charge] | None = None  # the ledger's answer, until asked for
+        # The ledger's answer, until asked for (None from the start: decided when asked).
+        self.sent: Awaitable[Charge] | None = None
         self._quotas, self._key, self._quota = quotas, key, quota
         self._tokens, self._now = tokens, now
         self._charge: Charge | None = None
         self._settled = settled
         # Given up before its verdict: `settled` will be told (see `abandon`, `lost`).
         self.settling = False
+        self.cleared_at = 0.0  # see Clearance.cleared_at
 
-    async def cleared(self) -> None:
-        """Wait for the ledger's verdict (once; later calls return at once). The ledger's
-        answer is awaited here, not in a helper coroutine: this frame is part of the
-        request's stack every time it waits and resumes."""
-        sent, self.sent = self.sent, None
-        if sent is None:
-            return
+    def cleared(self) -> Awaitable[None] | None:
+        """The ledger's verdict, once (later calls return None at once): None when decided
+        here (a ledger that answers at once), else the wait for the ledger's answer, in
+        which the verdict is raised or the charge kept."""
+        if self.cleared_at:
+            return None
+        self.cleared_at = -1.0  # asked: a refusal, once raised, stays one (not cleared)
+        sent = self.sent
+        if sent is not None:
+            self.sent = None
+            return self._verdict(sent)
+        charge_now = self._quotas.charge_now
+        assert charge_now is not None  # (a charge with nothing sent is one decided here)
+        quota = self._quota
+        try:  # `_decide`, inline: one call frame fewer per request
+            charge = charge_now(self._key.id, quota.limits, self._tokens, whole_second(self._now))
+        except LedgerUnavailable as exc:
+            self._quotas.unavailable(exc)  # unmetered (no headers), or raises the 503
+            self.cleared_at = time.perf_counter()
+            return None
+        if charge.denied is not None:
+            raise self._quotas.refusal(charge, self._key, quota.limits, self._tokens, self._now)
+        self._charge = charge
+        self.cleared_at = time.perf_counter()
+        return None
+
+    def _decide(self) -> Charge:
+        """The charge, by a ledger that answers at once (`Quotas.charge_now`)."""
+        charge_now = self._quotas.charge_now
+        assert charge_now is not None  # (a charge with nothing sent is one decided here)
+        quota = self._quota
+        return charge_now(self._key.id, quota.limits, self._tokens, whole_second(self._now))
+
+    async def _verdict(self, sent: Awaitable[Charge]) -> None:
+        """The ledger's answer is awaited here, not in a helper coroutine: this frame is part
+        of the request's stack every time it waits and resumes."""
         try:
             charge = await sent
         except asyncio.CancelledError:
@@ -173,11 +212,13 @@ class Charging:
             raise
         except LedgerUnavailable as exc:
             self._quotas.unavailable(exc)  # unmetered (no headers), or raises the 503
+            self.cleared_at = time.perf_counter()
             return
         if charge.denied is not None:
             quota = self._quota
             raise self._quotas.refusal(charge, self._key, quota.limits, self._tokens, self._now)
         self._charge = charge
+        self.cleared_at = time.perf_counter()
 
     @property
     def headers(self) -> RawHeaders:
@@ -187,10 +228,18 @@ class Charging:
     def abandon(self) -> None:
         """The request was given up before asking for the verdict: the charge is settled
         all the same (sent now if it was not yet), and `settled` told whether it counted."""
+        if self.cleared_at:
+            return  # asked already: its verdict is the caller's
+        self.cleared_at = -1.0
         sent, self.sent = self.sent, None
-        if sent is None:
-            return
         self.settling = True
+        if sent is None:  # a ledger that answers at once: decided now, told now
+            try:
+                charge: Charge | None = self._decide()
+            except LedgerUnavailable:
+                charge = None
+            self.lost(charge)
+            return
         try:
             task = asyncio.get_running_loop().create_task(self._settle(sent))
         except RuntimeError:  # no loop left (a request closed at exit): nothing to tell

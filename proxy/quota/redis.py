@@ -400,7 +400,10 @@ class RedisLedger:
             if lost is not None:  # the command (its charge id) once more: its stored result
                 self._ask_again(lambda: self._line_charge(command, None), lost)
             raise
-        return _charge_of(result)
+        fields = orjson.loads(result)  # `_charge_of`, inline: two call frames fewer
+        if not fields[0]:
+            fields[0] = None
+        return tuple.__new__(Charge, fields)
 
     async def _batched_charge(self, keys: list[str], args: list[int]) -> bytes:
         """Charges made in the same loop iteration go out as one pipeline: one write and one

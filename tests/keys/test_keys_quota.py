@@ -831,7 +831,9 @@ async def charged(quotas: Any, key: Any, tokens: int) -> Any:
     """The reply quota headers of one charge through `Quotas` (raises its 429)."""
     charging = quotas.charge(key, tokens)
     assert charging is not None
-    await charging.cleared()
+    waiting = charging.cleared()
+    if waiting is not None:
+        await waiting
     return charging.headers
 
 
@@ -841,11 +843,87 @@ def recording_ledger() -> tuple[Any, list[Any]]:
 
     ledger = MemoryLedger()
     seen: list[Any] = []
-    charge_of = ledger.charge
+    charge_of = ledger.charge_now
 
-    async def charge(*args: Any, **kwargs: Any) -> Any:
-        seen.append(await charge_of(*args, **kwargs))
+    def charge(*args: Any) -> Any:
+        seen.append(charge_of(*args))
         return seen[-1]
 
-    ledger.charge = charge  # type: ignore[method-assign]
+    ledger.charge_now = charge  # type: ignore[method-assign]
     return ledger, seen
+
+
+async def test_a_memory_charge_is_decided_when_asked_or_given_up_and_told_at_once() -> None:
+    """The memory ledger's verdict comes in `cleared`'s own call (nothing to await); a
+    charge given up before it was asked is counted then and `settled` told at once; a
+    refusal is raised once and the charge stays not cleared."""
+    from proxy.auth.keys import Limits, ProxyKey
+    from proxy.errors import ProxyError
+    from proxy.quota import MemoryLedger, Quotas
+
+    now = 1_800_000_030.0
+    ledger = MemoryLedger()
+    quotas = Quotas(ledger, clock=lambda: now)
+    key = ProxyKey("k", b"", limits=Limits(requests_per_minute=2))
+    w = windows_at(now)
+
+    told: list[bool] = []
+    given_up = quotas.charge(key, 5, told.append)
+    assert given_up is not None and given_up.cleared_at == 0.0
+    given_up.abandon()
+    assert told == [True] and given_up.settling  # counted, and said so
+    assert given_up.cleared() is None and given_up.cleared_at < 0  # not cleared
+    assert given_up.headers == []
+    given_up.abandon()
+    assert told == [True]  # settled once
+
+    first = quotas.charge(key, 5)
+    assert first is not None
+    assert first.cleared() is None and first.cleared_at > 0
+    assert (b"x-compaction-ratelimit-remaining-requests", b"0") in first.headers
+    assert first.cleared() is None  # asked once: counted once
+    first.abandon()  # (given up after it cleared: nothing more to settle)
+    refused = quotas.charge(key, 5, told.append)
+    assert refused is not None
+    with pytest.raises(ProxyError) as info:
+        refused.cleared()
+    assert info.value.status == 429 and refused.cleared_at < 0
+    assert refused.cleared() is None  # the refusal was the answer; not raised again
+    refused.abandon()
+    assert told == [True]
+    after = await ledger.charge("k", LimitArgs.of(key.limits), 0, w)
+    assert (after.denied, after.requests) == ("requests", 2)
+
+
+async def test_a_redis_charge_clears_through_its_wait_and_notes_when() -> None:
+    """A ledger that answers over the network hands `cleared` a wait: the verdict and the
+    time it cleared come when it is awaited; a later ask returns at once."""
+    from proxy.auth.keys import Limits, ProxyKey
+    from proxy.errors import ProxyError
+    from proxy.quota import Quotas
+    from proxy.quota.ledger import Charge
+
+    answers = [Charge(None, 1), Charge("requests", 1)]
+
+    class Remote:
+        name, errors = "remote", 0
+
+        async def charge(self, *args: Any, **kwargs: Any) -> Any:
+            return answers.pop(0)
+
+    quotas = Quotas(Remote())  # type: ignore[arg-type]
+    key = ProxyKey("k", b"", limits=Limits(requests_per_minute=1))
+    allowed = quotas.charge(key, 0)
+    assert allowed is not None
+    waiting = allowed.cleared()
+    assert waiting is not None and allowed.cleared_at < 0
+    await waiting
+    assert allowed.cleared_at > 0 and allowed.cleared() is None
+    assert (b"x-compaction-ratelimit-remaining-requests", b"0") in allowed.headers
+    refused = quotas.charge(key, 0)
+    assert refused is not None
+    waiting = refused.cleared()
+    assert waiting is not None
+    with pytest.raises(ProxyError):
+        await waiting
+    assert refused.cleared_at < 0 and refused.cleared() is None

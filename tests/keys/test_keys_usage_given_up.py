@@ -94,15 +94,16 @@ class Served:
         self.port = port
         self.app = app
         self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30)
-        self.charges = 0  # charges the quota made (sent to its ledger)
-        ledger = app.state.proxy.quotas.ledger
-        charge = ledger.charge
+        self.charges = 0  # charges the quota made (for Redis: sent to its ledger)
+        quotas = app.state.proxy.quotas
+        charge = quotas.charge
 
-        def counted(*args: Any, **kwargs: Any) -> Any:  # the ledger's own awaitable, as made
-            self.charges += 1
-            return charge(*args, **kwargs)
+        def counted(*args: Any, **kwargs: Any) -> Any:  # the quota's own Charging, as made
+            made = charge(*args, **kwargs)
+            self.charges += made is not None
+            return made
 
-        ledger.charge = counted
+        quotas.charge = counted
 
     async def chat(self, fault: str = "ok") -> httpx.Response:
         headers = {"authorization": f"Bearer {KEY_A}", "x-fault": fault}
