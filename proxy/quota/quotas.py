@@ -180,19 +180,12 @@ class Charging:
         if sent is not None:
             self.sent = None
             return self._verdict(sent)
-        charge_now = self._quotas.charge_now
-        assert charge_now is not None  # (a charge with nothing sent is one decided here)
-        quota = self._quota
-        try:  # `_decide`, inline: one call frame fewer per request
-            charge = charge_now(self._key.id, quota.limits, self._tokens, whole_second(self._now))
+        try:
+            charge = self._decide()
         except LedgerUnavailable as exc:
-            self._quotas.unavailable(exc)  # unmetered (no headers), or raises the 503
-            self.cleared_at = time.perf_counter()
+            self._unmetered(exc)
             return None
-        if charge.denied is not None:
-            raise self._quotas.refusal(charge, self._key, quota.limits, self._tokens, self._now)
-        self._charge = charge
-        self.cleared_at = time.perf_counter()
+        self._accept(charge)
         return None
 
     def _decide(self) -> Charge:
@@ -211,13 +204,21 @@ class Charging:
             self.settling = True  # the ledger asks again and tells `lost`
             raise
         except LedgerUnavailable as exc:
-            self._quotas.unavailable(exc)  # unmetered (no headers), or raises the 503
-            self.cleared_at = time.perf_counter()
+            self._unmetered(exc)
             return
+        self._accept(charge)
+
+    def _accept(self, charge: Charge) -> None:
+        """The ledger's verdict: the 429 raised, or the charge kept for the reply headers."""
         if charge.denied is not None:
             quota = self._quota
             raise self._quotas.refusal(charge, self._key, quota.limits, self._tokens, self._now)
         self._charge = charge
+        self.cleared_at = time.perf_counter()
+
+    def _unmetered(self, exc: LedgerUnavailable) -> None:
+        """The ledger could not answer: through unmetered (no headers), or the 503 raised."""
+        self._quotas.unavailable(exc)
         self.cleared_at = time.perf_counter()
 
     @property

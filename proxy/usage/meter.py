@@ -448,8 +448,7 @@ class ChatTap:
         """`billable`: the upstream took the request (a status under 400, or no reply to
         tell); else it refused or never saw it, and only the request is counted."""
         outcome = self.outcome
-        spend = self.spend
-        summary = outcome.usage if spend is None else spend.usage
+        summary = self.summary
         if billable:
             before = outcome.tokens_before
             after = outcome.tokens_after
