@@ -263,24 +263,61 @@ class StreamTap:
 
     def _read_only(self, complete: bytes, at: int, chunk: bytes) -> bytes:
         """The chunk goes out as it came; the usage event is read from a copy."""
-        span = _only_usage_span(complete, at)
-        if span is None:
-            if _has_usage(complete):
-                for start, stop in _spans(complete):
-                    self._take(complete[start:stop])
-        elif span[1]:
-            self._take(complete[span[0] : span[1]])
+        if self._read_last(complete, at) is None and _has_usage(complete):
+            for start, stop in _spans(complete):
+                self._take(complete[start:stop])
         return chunk
 
     def _read(self, complete: bytes, at: int) -> bytes:
         """`complete` without the usage-only event, once read."""
-        span = _only_usage_span(complete, at)
+        span = self._read_last(complete, at)
         if span is None:
             return self._without_usage_event(complete) if _has_usage(complete) else complete
         start, stop = span
-        if stop and self._take(complete[start:stop]):
-            return complete[:start] + complete[stop:]
-        return complete
+        return complete[:start] + complete[stop:] if stop else complete
+
+    def _read_last(self, data: bytes, at: int) -> tuple[int, int] | None:
+        """Usage read from the event holding the last `"usage"` key of `data` (at `at`; -1:
+        not looked for yet), when that event is one `data: ` line as OpenAI sends them:
+        (start, end) of the event when it is the usage-only one; (0, 0) when it is not, or
+        when no event has the key. None: not that shape, or no top-level `usage` in that
+        event; the caller splits `data` into events and reads each.
+
+        The chunk holding the usage event usually holds the reply's other events too (a
+        short reply arrives at once), and the event sits at its end, just before `[DONE]`:
+        finding it from its key replaces splitting the chunk and reading every event. Only
+        that event is parsed: what earlier events in the chunk hold (OpenAI's
+        `"usage":null`, an upstream's running counts) is no later reading than the last,
+        which is the reading, as it is when the events come one by one.
+        """
+        if at < 0:
+            at = data.rfind(b'"usage"')
+            if at < 0:
+                return (0, 0)
+        after = data[at + 7 : at + 10]
+        if not (after.startswith(b":{") or after == b": {"):
+            return None
+        before = data.rfind(b"\n\n", 0, at)
+        if before < 0:
+            start = 0
+        elif before == 0 or data[before - 1] not in b"\r\n":  # not in a run of blank lines
+            start = before + 2
+        else:
+            return None
+        end = data.find(b"\n", at)  # the event's one line ends here, at a blank line
+        if (
+            end < 0
+            or data[end + 1 : end + 2] != b"\n"
+            or not data.startswith(b"data: ", start)
+            or data.find(b"\n", start, at) >= 0
+            or data.find(b"\r", start, end) >= 0
+        ):
+            return None
+        stop = end + 2
+        usage_only = self._take_data(data[start + 6 : stop - 2])
+        if usage_only is None:
+            return None
+        return (start, stop) if usage_only else (0, 0)
 
     def end(self) -> bytes:
         """What is still held when the stream ends (an event without its terminator)."""
@@ -301,7 +338,11 @@ class StreamTap:
         """Record usage from an event; True if it is the usage-only event."""
         if not _has_usage(event):
             return False
-        data = _event_data(event)
+        return self._take_data(_event_data(event)) is True
+
+    def _take_data(self, data: bytes) -> bool | None:
+        """Record usage from an event's data: whether it is the usage-only event (its
+        `choices` empty); None when it has no top-level `usage` (nothing recorded)."""
         try:
             payload = orjson.loads(data)  # ~4x cheaper than the stdlib on these events
         except orjson.JSONDecodeError:
@@ -313,10 +354,10 @@ class StreamTap:
             try:
                 payload = json.loads(data)
             except (ValueError, UnicodeDecodeError):
-                return False
+                return None
             usage = _payload_usage(payload)
             if usage is None:
-                return False
+                return None
         self.usage = usage
         return bool(payload.get("choices") == [])
 
@@ -325,41 +366,6 @@ class StreamTap:
             if self._take(data[start:stop]):
                 return data[:start] + data[stop:]
         return data
-
-
-def _only_usage_span(data: bytes, at: int = -1) -> tuple[int, int] | None:
-    """(start, end) of the one event in `data` that can carry usage, found from its key.
-
-    The chunk holding the usage event usually holds the reply's other events too (a short
-    reply arrives at once), and the event sits at its end, just before `[DONE]`: finding
-    the one `"usage"` key from the end and the blank lines around it replaces splitting the
-    chunk into events and reading each. Given only when it is provably the event `_spans`
-    would find: the key occurs once, and no CR and no run of blank lines is at or around
-    that event's ends. (0, 0): no complete event carries usage. None: split and scan.
-    `at`: where the last key is, when the caller has looked already (-1: not looked).
-    """
-    if at < 0:
-        at = data.rfind(b'"usage"')
-        if at < 0:
-            return (0, 0)
-    if data.find(b'"usage"', 0, at) >= 0:
-        return None
-    after = data[at + 7 : at + 10]
-    if not (after.startswith(b":{") or after == b": {"):
-        return (0, 0)
-    stop = data.find(b"\n\n", at)
-    if stop < 0:
-        return None
-    before = data.rfind(b"\n\n", 0, at)
-    if before < 0:
-        low = 0
-    elif before == 0 or data[before - 1] not in b"\r\n":
-        low = before
-    else:
-        return None
-    if data.find(b"\r", low, stop + 2) >= 0:
-        return None
-    return (before + 2 if before >= 0 else 0, stop + 2)
 
 
 def _last_boundary(data: bytes) -> int:
