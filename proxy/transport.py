@@ -390,6 +390,20 @@ def read_whole(response: httpx.Response) -> Coroutine[Any, Any, bytes] | None:
     return stream.read() if isinstance(stream, _DIRECT_STREAMS) else None
 
 
+def arrived(response: httpx.Response) -> bool:
+    """Reading `response`'s body on cannot wait: bytes of it are here, or it has ended (False
+    for another transport's response: not known)."""
+    stream = response.stream
+    return isinstance(stream, wire.WireStream) and stream.arrived
+
+
+def ended(response: httpx.Response) -> bool:
+    """All of `response`'s body has been read from the wire (False: more may come, or not
+    known)."""
+    stream = response.stream
+    return isinstance(stream, wire.WireStream) and stream.ended
+
+
 def closes_at_once(response: httpx.Response) -> bool:
     """Closing `response` cannot suspend (a response of this transport's own, not httpx's):
     no cancellation can land in the middle of it, so it needs no shield."""

@@ -30,7 +30,15 @@ from proxy.headers import (
 from proxy.paths import quote_query
 from proxy.redact import host_of
 from proxy.settings import UpstreamSettings
-from proxy.transport import PoolSlots, closes_at_once, direct_transport, pool_slots, read_whole
+from proxy.transport import (
+    PoolSlots,
+    arrived,
+    closes_at_once,
+    direct_transport,
+    ended,
+    pool_slots,
+    read_whole,
+)
 
 log = logging.getLogger("proxy.upstream")
 
@@ -351,10 +359,37 @@ class RelayResponse(StreamingResponse):
         tap: ReplyTap | None = None,
     ) -> None:
         super().__init__(chunks, upstream.status_code)
+        self.chunks = chunks
         self.raw_headers = raw_headers
         self.upstream = upstream
         self.watch = watch
         self.tap = tap
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but what the upstream has sent already is read (and tapped) before
+        the head goes out, so that head and body leave back to back instead of with the
+        tap's reading between them; and a body that has all arrived goes out together with
+        the reply's end, in one write. The head never waits for a body still to come."""
+        chunks, upstream = self.chunks, self.upstream
+        piece = await anext(chunks, None) if arrived(upstream) else None
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})  # fmt: skip
+        while piece is not None:
+            if not ended(upstream):  # the rest may be a while: this goes now
+                if piece:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                break
+            following = await anext(chunks, None)  # (cannot wait: the body has ended)
+            if piece or following is None:
+                await send({"type": "http.response.body", "body": piece,
+                            "more_body": following is not None})  # fmt: skip
+            if following is None:
+                return
+            piece = following
+        async for chunk in chunks:
+            if chunk:  # (b"": a tap holding an event back until the rest of it comes)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch
@@ -389,9 +424,10 @@ async def _close(upstream: httpx.Response) -> None:
 async def _relay_body(
     upstream: httpx.Response, host: str, seen: BodyTap | None = None
 ) -> AsyncIterator[bytes]:
-    """The body as it arrives; with `seen`, each chunk as it passes it on (in this loop: a
-    tap adds no generator layer per chunk). httpx closes the upstream response once its body
-    has ended; the RelayResponse sending this closes it on every other path."""
+    """The body as it arrives, one piece per chunk read; with `seen`, each chunk as it passes
+    it on (b"" while it holds an event back; in this loop: a tap adds no generator layer per
+    chunk). httpx closes the upstream response once its body has ended; the RelayResponse
+    sending this closes it on every other path."""
     try:
         if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
             if seen is None:
@@ -407,15 +443,14 @@ async def _relay_body(
             return
         feed = seen.feed
         async for chunk in upstream.aiter_raw():
-            out = feed(chunk)
-            if out:
-                yield out
+            yield feed(chunk)  # b"" too: one piece per chunk read (see stream_response)
         rest = seen.end()
         if rest:
             yield rest
     except httpx.HTTPError as exc:
-        # Status and headers are already sent. Ending the body cleanly would pass a truncated
-        # reply off as complete; raising makes the server abort the connection instead, so
-        # the client sees the failure exactly as it would talking to the upstream directly.
+        # Status and headers are already sent (what is read before them had arrived, and
+        # reading that cannot fail). Ending the body cleanly would pass a truncated reply off
+        # as complete; raising makes the server abort the connection instead, so the client
+        # sees the failure exactly as it would talking to the upstream directly.
         log.warning("upstream %s failed mid-response: %s", host, type(exc).__name__)
         raise UpstreamBrokeOff(f"upstream {host} broke off the response") from exc

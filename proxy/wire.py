@@ -411,6 +411,18 @@ class WireStream(DirectStream):
         """Body bytes received and not yet read (bounded: see HIGH_WATER)."""
         return self._connection.buffered
 
+    @property
+    def arrived(self) -> bool:
+        """Reading on does not wait: body bytes are here, or the body has ended."""
+        connection = self._connection
+        return bool(connection.chunks) or (connection.complete and connection.error is None)
+
+    @property
+    def ended(self) -> bool:
+        """All of the body has been read (the next read ends the body at once)."""
+        connection = self._connection
+        return connection.complete and not connection.chunks and connection.error is None
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         connection = self._connection
         while True:

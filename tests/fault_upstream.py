@@ -45,6 +45,20 @@ ODD_HEADERS = {
     "latin1-headers": [(b"x-latin", b"caf\xe9")],
 }
 
+# A streamed reply as OpenAI sends it: deltas, a finish, the usage event (only when the
+# request asked for it with stream_options.include_usage), [DONE].
+SSE_EVENTS = [
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":'
+    b'{"content":"%s"},"finish_reason":null}]}\n\n' % word
+    for word in (b"Hello", b" there", b"!")
+] + [b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},'
+     b'"finish_reason":"stop"}]}\n\n']  # fmt: skip
+SSE_USAGE_EVENT = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
+    b'"usage":{"prompt_tokens":11,"completion_tokens":3,"total_tokens":14}}\n\n'
+)
+SSE_DONE = b"data: [DONE]\n\n"
+
 
 @dataclass
 class Seen:
@@ -233,6 +247,25 @@ class FaultUpstream:
             else:
                 _reset(writer)
             return False
+        elif fault in ("sse", "sse-gated", "sse-first-then-gated"):
+            # "sse": the whole reply in one write; "sse-gated": the head, then the events
+            # once the test opens the gate; "sse-first-then-gated": the first event with the
+            # head, the rest once the gate opens.
+            headers = [(b"content-type", b"text/event-stream"), (b"transfer-encoding", b"chunked")]
+            events = [*SSE_EVENTS]
+            if b'"include_usage":true' in seen.body.replace(b" ", b""):
+                events.append(SSE_USAGE_EVENT)
+            events.append(SSE_DONE)
+            body = [chunk(event) for event in events] + [b"0\r\n\r\n"]
+            split = {"sse": len(body), "sse-gated": 0, "sse-first-then-gated": 1}[fault]
+            writer.write(_head(200, headers) + b"".join(body[:split]))
+            if fault != "sse":
+                await writer.drain()
+                self.headers_out += 1
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(HOLD_S):
+                        await self.gate.wait()
+                writer.write(b"".join(body[split:]))
         elif fault == "drop":  # read the request, then close without a word
             return False
         else:
