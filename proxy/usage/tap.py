@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import orjson
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+# The bytes before a usage-only event's `"usage"` key as OpenAI sends them.
+_EMPTY_CHOICES = (b',"choices":[],', b'{"choices":[],')
 # An event longer than this is passed on without being held back or read.
 _MAX_EVENT_BYTES = 1024 * 1024
 _MAX_DECODED_BYTES = 8 * 1024 * 1024
@@ -49,14 +51,18 @@ class ReportedUsage(NamedTuple):
         )
         if type(prompt) is not int or type(completion) is not int or prompt < 0 or completion < 0:
             return None
-        details = usage.get("prompt_tokens_details")
-        if details is None:
-            details = usage.get("input_tokens_details")
-        cached = details.get("cached_tokens") if type(details) is dict else None
-        # Made by the tuple type itself: a NamedTuple's constructor is a Python call more.
-        return tuple.__new__(
-            cls, (prompt, completion, cached if type(cached) is int and cached > 0 else 0)
+        details = (
+            usage["prompt_tokens_details"]
+            if "prompt_tokens_details" in usage
+            else usage.get("input_tokens_details")
         )
+        cached = 0
+        if type(details) is dict and "cached_tokens" in details:
+            found = details["cached_tokens"]
+            if type(found) is int and found > 0:
+                cached = found
+        # Made by the tuple type itself: a NamedTuple's constructor is a Python call more.
+        return tuple.__new__(cls, (prompt, completion, cached))
 
 
 def usage_of_body(body: bytes, content_encoding: str = "") -> ReportedUsage | None:
@@ -314,10 +320,30 @@ class StreamTap:
         ):
             return None
         stop = end + 2
-        usage_only = self._take_data(data[start + 6 : stop - 2])
+        if self._take_tail(data, at, end):
+            return (start, stop)
+        usage_only = self._take_data(data[start + 6 : end])
         if usage_only is None:
             return None
         return (start, stop) if usage_only else (0, 0)
+
+    def _take_tail(self, data: bytes, at: int, end: int) -> bool:
+        """Record usage from the event as OpenAI sends the usage-only one, `..."choices":[],
+        "usage":{...}}` ending at `end`: only `{` and the bytes from the key on are parsed,
+        which parse only when they close the event's object, so the key is a member of it
+        (after a comma, outside any string), and the member before it is an empty `choices`.
+        False (nothing recorded): not that shape; the whole event is parsed instead."""
+        if data[at - 14 : at] not in _EMPTY_CHOICES:
+            return False
+        try:
+            tail = orjson.loads(b"{" + data[at:end])
+        except orjson.JSONDecodeError:
+            return False
+        usage = ReportedUsage.parse(tail["usage"])
+        if usage is None:
+            return False
+        self.usage = usage
+        return True
 
     def end(self) -> bytes:
         """What is still held when the stream ends (an event without its terminator)."""

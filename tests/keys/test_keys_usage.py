@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import respx
 
 from proxy.usage.meter import content_encoding
-from proxy.usage.tap import StreamTap, usage_of_body
+from proxy.usage.tap import ReportedUsage, StreamTap, usage_of_body
 from tests.keys.conftest import KEY_A, KEY_B, bearer, chat, history_chat, key_entry, keyed_settings
 from tests.upstream_fakes import is_summarizer_call
 
@@ -498,7 +499,28 @@ WHOLE_STREAMS = [
     b'"usage":null}\n\n',
     b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1},"usage":null}\n\n',
     _DELTA_NULL.replace(b"null", b" null") + b"\n\n" + _USAGE_ONLY + b"\n\n",
+    # The usage-only event's end read alone only when it is OpenAI's own shape.
+    _DELTA + b"\n\n" + _USAGE_ONLY[:-1] + b',"obfuscation":"x"}\n\ndata: [DONE]\n\n',
+    _DELTA + b"\n\n" + _USAGE_ONLY.replace(b":[],", b": [], ") + b"\n\ndata: [DONE]\n\n",
+    b'data: {"x":' + _USAGE_ONLY[6:] + b',"choices":[]}\n\ndata: [DONE]\n\n',
+    b'data: {"x":' + _USAGE_ONLY[6:] + b"}\n\n" + _USAGE_ONLY + b"\n\n",
+    b'data: {"choices":[{"delta":{}}],"usage":{"prompt_tokens":4,"completion_tokens":2}}\n\n',
 ]
+
+
+def last_reported_usage(stream: bytes) -> ReportedUsage | None:
+    """The top-level `usage` of the last complete event that has one, by the stdlib parser."""
+    found = None
+    for event in re.split(rb"\r\n\r\n|\n\n|\r\r", stream)[:-1]:
+        lines = re.split(rb"\r\n|\r|\n", event)
+        data = b"\n".join(ln[5:].removeprefix(b" ") for ln in lines if ln.startswith(b"data:"))
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            continue
+        usage = ReportedUsage.parse(payload.get("usage")) if type(payload) is dict else None
+        found = usage or found
+    return found
 
 
 @pytest.mark.parametrize("stream", WHOLE_STREAMS)
@@ -507,7 +529,7 @@ async def test_tap_on_a_reply_in_one_chunk_matches_byte_by_byte(stream: bytes) -
         whole, split = StreamTap(hide_usage_event=hide), StreamTap(hide_usage_event=hide)
         out = b"".join(await relay_in(whole, stream, []))
         assert out == b"".join(await relay_in(split, stream, list(range(1, len(stream)))))
-        assert whole.usage == split.usage
+        assert whole.usage == split.usage == last_reported_usage(stream)
         if not hide:
             assert out == stream
     hidden = StreamTap(hide_usage_event=True)
@@ -588,3 +610,28 @@ async def test_usage_on_either_side_of_midnight_goes_to_its_own_day() -> None:
         ("2027-01-15", 2),
         ("2027-01-16", 2),
     ]
+
+
+async def test_many_replies_before_a_flush_sum_exactly_and_stay_bounded() -> None:
+    """Replies are kept as they come and summed when written: however many arrive before the
+    flusher runs, each key, model and day's row is their exact sum, and what is kept unsummed
+    stays bounded."""
+    from proxy.quota import MemoryLedger
+    from proxy.quota.ledger import USAGE_FIELDS
+    from proxy.settings import Settings
+    from proxy.usage.meter import Meter
+    from proxy.usage.pricing import Pricing
+
+    ledger = MemoryLedger()
+    meter = Meter(Settings(), ledger, Pricing(), clock=lambda: 1_800_000_000.0)
+    expected: dict[str, list[int]] = {"a": [0] * len(USAGE_FIELDS), "b": [0] * len(USAGE_FIELDS)}
+    for i in range(1_000):
+        key = "a" if i % 3 else "b"
+        values = [1, i, i, i % 7, 2 * i, i % 5, 1, i % 11, 10 * i, i % 2]
+        meter.add(key, "m", values)
+        expected[key] = [x + y for x, y in zip(expected[key], values, strict=True)]
+        assert all(len(rows) <= 256 for _, rows in meter._batch.values())
+    await meter.join()
+    rows = await ledger.usage(None, "2000-01-01", "2100-01-01")
+    found = {row.key: [row.counts.get(name, 0) for name in USAGE_FIELDS] for row in rows}
+    assert found == expected
