@@ -66,6 +66,7 @@ _ROWS_BEFORE_SUM = 256
 
 
 Entry = tuple[str, str, str]  # key id, model, day
+Row = tuple[int, ...]  # one reply's counts, USAGE_FIELDS order
 
 
 @dataclass
@@ -97,7 +98,7 @@ class Meter:
         self.flush_s = FLUSH_S
         # (key id, model, day) -> (a timestamp in that day, rows in USAGE_FIELDS order): a
         # reply's counts are appended, and summed when written (see `_sums`).
-        self._batch: dict[tuple[str, str, str], tuple[float, list[list[int]]]] = {}
+        self._batch: dict[tuple[str, str, str], tuple[float, list[Row]]] = {}
         self._flusher: asyncio.Task[None] | None = None  # sleeping until the next flush
         self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
@@ -153,13 +154,14 @@ class Meter:
 
     def record(self, key_id: str, model: str, counts: dict[str, int]) -> None:
         """Add one reply's counts (by USAGE_FIELDS name) to the batch."""
-        self.add(key_id, model, [counts.get(name, 0) for name in USAGE_FIELDS])
+        self.add(key_id, model, tuple([counts.get(name, 0) for name in USAGE_FIELDS]))
 
-    def add(self, key_id: str, model: str, values: list[int]) -> None:
+    def add(self, key_id: str, model: str, values: tuple[int, ...]) -> None:
         """Add one reply's counts, in USAGE_FIELDS order, to the batch; the flusher writes it
         within `flush_s`. Kept as they are per key, model and day (no dict per reply), and
         summed column by column when written: appending is ~6x cheaper than adding the
-        counts into a running sum one reply at a time."""
+        counts into a running sum one reply at a time. (A tuple of ints: the collector stops
+        tracking it at its first pass, so rows waiting for a flush cost no collection.)"""
         now = self.clock()
         day = self._day
         if not day[0] <= now < day[1]:
@@ -173,7 +175,7 @@ class Meter:
             rows = found[1]
             rows.append(values)
             if len(rows) >= _ROWS_BEFORE_SUM:  # bounded whatever the flusher is waiting on
-                rows[:] = [_sums(rows)]
+                rows[:] = [tuple(_sums(rows))]
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -237,13 +239,13 @@ class Meter:
 
     @staticmethod
     def _merge(
-        batch: dict[Entry, tuple[float, list[list[int]]]], entry: Entry, at: float, sums: list[int]
+        batch: dict[Entry, tuple[float, list[Row]]], entry: Entry, at: float, sums: list[int]
     ) -> None:
         found = batch.get(entry)
         if found is None:
-            batch[entry] = (at, [list(sums)])
+            batch[entry] = (at, [tuple(sums)])
         else:
-            found[1].append(list(sums))
+            found[1].append(tuple(sums))
 
     def _room(self) -> bool:
         """Whether one more row may be kept for a retry (held, or carried to the next batch)."""
@@ -295,7 +297,7 @@ class Meter:
             )  # fmt: skip
 
 
-def _sums(rows: list[list[int]]) -> list[int]:
+def _sums(rows: list[Row]) -> list[int]:
     """The column sums of rows in USAGE_FIELDS order."""
     if len(rows) == 1:
         return list(rows[0])
@@ -454,9 +456,9 @@ class ChatTap:
             return
         meter, model = self.meter, self.model
         cost, _ = meter.cost_nano(model, summary, 0, 0, 0)
-        meter.add(self.key_id, model, [
+        meter.add(self.key_id, model, (
             0, 0, 0, 0, 0, summary.input_tokens, summary.output_tokens, 0, cost, 0,
-        ])  # fmt: skip
+        ))  # fmt: skip
 
     def _finish(
         self, billable: bool, reported: ReportedUsage | None, events: int
@@ -487,8 +489,8 @@ class ChatTap:
         meter, model = self.meter, self.model
         cost, priced = meter.cost_nano(model, summary, prompt, cached, completion)
         # USAGE_FIELDS order.
-        meter.add(self.key_id, model, [
+        meter.add(self.key_id, model, (
             1, sent, prompt, cached, completion, summary.input_tokens, summary.output_tokens,
             saved, cost, estimated,
-        ])  # fmt: skip
+        ))  # fmt: skip
         return cost, priced

@@ -628,7 +628,7 @@ async def test_many_replies_before_a_flush_sum_exactly_and_stay_bounded() -> Non
     for i in range(1_000):
         key = "a" if i % 3 else "b"
         values = [1, i, i, i % 7, 2 * i, i % 5, 1, i % 11, 10 * i, i % 2]
-        meter.add(key, "m", values)
+        meter.add(key, "m", tuple(values))
         expected[key] = [x + y for x, y in zip(expected[key], values, strict=True)]
         assert all(len(rows) <= 256 for _, rows in meter._batch.values())
     await meter.join()
