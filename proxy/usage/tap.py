@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import orjson
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_EOL = (b"\r", b"\n")
 # The bytes before a usage-only event's `"usage"` key as OpenAI sends them.
 _EMPTY_CHOICES = (b',"choices":[],', b'{"choices":[],')
 # An event longer than this is passed on without being held back or read.
@@ -300,22 +301,18 @@ class StreamTap:
             at = data.rfind(b'"usage"')
             if at < 0:
                 return (0, 0)
-        after = data[at + 7 : at + 10]
-        if not (after.startswith(b":{") or after == b": {"):
+        if data[at + 7 : at + 9] != b":{" and data[at + 7 : at + 10] != b": {":
             return None
-        before = data.rfind(b"\n\n", 0, at)
-        if before < 0:
-            start = 0
-        elif before == 0 or data[before - 1] not in b"\r\n":  # not in a run of blank lines
-            start = before + 2
-        else:
+        # The key's line: after a blank line (not in a run of them) or at the start, ending
+        # at one, with no CR in it (an SSE line ending too).
+        start = data.rfind(b"\n", 0, at) + 1
+        if start and (data[start - 2 : start] != b"\n\n" or data[start - 3 : start - 2] in _EOL):
             return None
-        end = data.find(b"\n", at)  # the event's one line ends here, at a blank line
+        end = data.find(b"\n", at)
         if (
             end < 0
             or data[end + 1 : end + 2] != b"\n"
-            or not data.startswith(b"data: ", start)
-            or data.find(b"\n", start, at) >= 0
+            or data[start : start + 6] != b"data: "
             or data.find(b"\r", start, end) >= 0
         ):
             return None
