@@ -9,7 +9,9 @@ received; `check` holds each forwarded request to what the proxy promises:
 - the task (first user message) and the latest real ask present verbatim;
 - within the budget whenever the status says compacted / extended / reused, and
   `x-compaction-tokens-after` equal to the request's real count; unchanged when skipped;
-- never paying twice in a row for a summary of the same span.
+- never paying twice in a row for a summary of the same span (a turn that reused the turn
+  before's summary and paid only to extend it, `x-compaction-cache: partial`, pays for
+  messages after that span, whether or not its summary was then used).
 """
 
 from __future__ import annotations
@@ -198,6 +200,7 @@ class Turn:
     tokens_after: int
     summarized: int
     paid: bool  # a summarizer call was made for this turn
+    cache: str = ""  # x-compaction-cache: hit, partial, miss ("" when no summary was sought)
 
 
 def turn_of(headers: Any) -> Turn:
@@ -206,6 +209,7 @@ def turn_of(headers: Any) -> Turn:
         int(headers["x-compaction-tokens-after"]),
         int(headers["x-compaction-messages-summarized"]),
         int(headers["x-compaction-summary-input-tokens"]) > 0,
+        headers.get("x-compaction-cache", ""),
     )
 
 
@@ -245,7 +249,15 @@ def check(
             problems.append(f"{where}: forwarded changed without a summary")
         if turn.status not in (*COMPACTED, "passthrough", "over_budget", "skipped"):
             problems.append(f"{where}: unexpected status")
-        if i and turn.paid and turns[i - 1].paid and turn.summarized == turns[i - 1].summarized:
+        # (A skipped turn reports 0 summarized whatever span it paid for: only its cache
+        # says whether it started from the turn before's summary.)
+        if (
+            i
+            and turn.paid
+            and turns[i - 1].paid
+            and turn.summarized == turns[i - 1].summarized
+            and turn.cache != "partial"
+        ):
             problems.append(f"{where}: paid again for the span of the turn before")
     return problems
 
