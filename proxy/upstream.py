@@ -368,24 +368,27 @@ class RelayResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         """Starlette's, but what the upstream has sent already is read (and tapped) before
         the head goes out, so that head and body leave back to back instead of with the
-        tap's reading between them; and a body that has all arrived goes out together with
-        the reply's end, in one write. The head never waits for a body still to come."""
+        tap's reading between them; a body that has all arrived is read to its end first,
+        and goes out with the reply's end, in one write. The head never waits for a body
+        still to come."""
         chunks, upstream = self.chunks, self.upstream
-        piece = await anext(chunks, None) if arrived(upstream) else None
+        body, ended_with_it = b"", False
+        if arrived(upstream):
+            piece = await anext(chunks, None)
+            while piece is not None and ended(upstream):  # reading on cannot wait
+                body += piece
+                piece = await anext(chunks, None)
+            if piece is None:
+                ended_with_it = True
+            else:
+                body += piece
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
-        while piece is not None:
-            if not ended(upstream):  # the rest may be a while: this goes now
-                if piece:
-                    await send({"type": "http.response.body", "body": piece, "more_body": True})
-                break
-            following = await anext(chunks, None)  # (cannot wait: the body has ended)
-            if piece or following is None:
-                await send({"type": "http.response.body", "body": piece,
-                            "more_body": following is not None})  # fmt: skip
-            if following is None:
-                return
-            piece = following
+        if ended_with_it:
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        if body:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
         async for chunk in chunks:
             if chunk:  # (b"": a tap holding an event back until the rest of it comes)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

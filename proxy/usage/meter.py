@@ -346,12 +346,11 @@ def content_encoding(headers: httpx.Headers) -> str:
     items = getattr(headers, "_list", None)
     if type(items) is not list:
         return ", ".join(headers.get_list("content-encoding"))
-    found = ""
+    found: list[str] = []
     for _, name, value in items:  # (a loop, not a comprehension: no frame of its own)
         if name == b"content-encoding":
-            text = value.decode(headers.encoding)
-            found = f"{found}, {text}" if found else text
-    return found
+            found.append(value.decode(headers.encoding))
+    return ", ".join(found)
 
 
 class ChatTap:

@@ -312,6 +312,7 @@ def test_usage_of_a_gzipped_body_is_read_from_a_decoded_copy() -> None:
         [(b"Content-Encoding", b"gzip")],
         [(b"content-encoding", b"gzip"), (b"x-other", b"1"), (b"CONTENT-ENCODING", b" br")],
         [(b"content-encoding", "\u00e9".encode())],
+        [(b"content-encoding", b""), (b"content-encoding", b"gzip")],
     ],
 )
 def test_content_encoding_reads_as_headers_get_does(raw: list[tuple[bytes, bytes]]) -> None:
