@@ -159,6 +159,7 @@ class BodyTail:
     read its `usage` at the end (`trailing_usage`) without keeping the reply."""
 
     TAIL_BYTES = 64 * 1024
+    __slots__ = ("_inflate", "_parts", "_size", "readable")
 
     def __init__(self, content_encoding: str = "") -> None:
         encoding = content_encoding.strip().lower()
@@ -233,6 +234,8 @@ def _payload_usage(payload: Any) -> ReportedUsage | None:
 class StreamTap:
     """Fed a relayed SSE body chunk by chunk; afterwards `usage` holds what the upstream
     reported. Plain methods, no generator of its own: the relay loop calls `feed` per chunk."""
+
+    __slots__ = ("_held", "events", "hide", "usage")
 
     def __init__(self, *, hide_usage_event: bool) -> None:
         self.hide = hide_usage_event
