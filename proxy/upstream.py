@@ -359,7 +359,7 @@ class RelayResponse(StreamingResponse):
         tap: ReplyTap | None = None,
     ) -> None:
         super().__init__(chunks, upstream.status_code)
-        self.chunks = chunks
+        self.chunks = chunks  # (body_iterator, typed as an iterator: stream_response steps it)
         self.raw_headers = raw_headers
         self.upstream = upstream
         self.watch = watch
@@ -372,21 +372,17 @@ class RelayResponse(StreamingResponse):
         and goes out with the reply's end, in one write. The head never waits for a body
         still to come."""
         chunks, upstream = self.chunks, self.upstream
-        body, ended_with_it = b"", False
-        if arrived(upstream):
+        body = b""
+        piece = await anext(chunks, None) if arrived(upstream) else b""
+        while piece is not None and ended(upstream):  # reading on cannot wait
+            body += piece
             piece = await anext(chunks, None)
-            while piece is not None and ended(upstream):  # reading on cannot wait
-                body += piece
-                piece = await anext(chunks, None)
-            if piece is None:
-                ended_with_it = True
-            else:
-                body += piece
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
-        if ended_with_it:
+        if piece is None:  # the body ended with what had arrived
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
+        body += piece
         if body:
             await send({"type": "http.response.body", "body": body, "more_body": True})
         async for chunk in chunks:
