@@ -23,7 +23,6 @@ from proxy.compactor import Compactor, PromptCounter
 from proxy.egress import proxy_for
 from proxy.errors import ProxyError
 from proxy.exchange import ExchangeMiddleware
-from proxy.headercheck import install as memoise_header_check
 from proxy.logs import AccessLog
 from proxy.metrics import Metrics
 from proxy.passthrough import passthrough
@@ -38,7 +37,7 @@ from proxy.store import create_store
 from proxy.tokens import TokenCounter
 from proxy.transport import ServedTransport, create_upstream_client, needs_https, upstream_limits
 from proxy.turnmemo import TurnMemo
-from proxy.upstream import Upstream
+from proxy.upstream import Upstream, UpstreamBrokeOff
 from proxy.usage import Meter, Pricing
 from proxy.warmup import preconnect, start_probe, warm_up
 
@@ -99,8 +98,7 @@ def create_app(
         if served is not None:
             summarizer = settings.compaction.summarizer.base_url or settings.upstream.base_url
             served.serve(https=needs_https(client, (settings.upstream.base_url, summarizer)))
-        memoise_header_check()  # the server's per-reply header-name check
-        await warm_up(app, state, served, metrics)
+        await warm_up(state, served, metrics)
         probe = connect = None
         if served is not None and served.served:
             connect = await preconnect(state, settings.server.warm_connect_s)
@@ -188,7 +186,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    # An upstream that broke off mid-reply is logged where it happened, in one line; the
+    # exception only makes the server abort the client's connection (the reply has begun).
+    if not isinstance(exc, UpstreamBrokeOff):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
     return ProxyError(
         500,
         "The proxy hit an internal error; see its log.",

@@ -2,7 +2,9 @@
 
 A line's structured fields are the `extra=` of its logging call: `log.info("compaction",
 extra={"status": ...})`. The text formatter appends them as `key=value`; the JSON formatter
-makes them keys of the object. Either way they are fields, never JSON inside a message.
+makes them keys of the object. Either way they are fields, never JSON inside a message. The
+access line is such a call too (`AccessLog`), on the `proxy.access` logger: an operator's own
+handlers, filters and formatters see it like any other record.
 
 JSON comes from python-json-logger rather than structlog: everything here (the proxy, uvicorn,
 httpx) already logs through the standard library, and python-json-logger is just a
@@ -10,22 +12,28 @@ httpx) already logs through the standard library, and python-json-logger is just
 the same `log_config`. structlog would add a second logging API plus its stdlib bridge
 (ProcessorFormatter) to end at the same place.
 
+Text lines are one line per record whatever the client sent: a path, a header or a model name
+may hold a line break or a terminal escape, and written as is it would start a forged line.
+The text formatter escapes every control character in the message and in every field, and
+indents a traceback's lines, so each line that starts at the first column starts a record.
+JSON escapes them by itself.
+
 The request id comes from the current exchange (a contextvar), added by `RequestIdFilter`
 on the handler, so every line a request causes carries it, the summarizer's included.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import logging.config
-from typing import Any, Literal, TextIO
+import re
+from typing import Any, Literal
 
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from proxy import accessline
-from proxy.accessline import text_value
 from proxy.exchange import Record, current_record
+from proxy.upstream import UpstreamBrokeOff
 
 LogFormat = Literal["text", "json"]
 
@@ -35,7 +43,52 @@ _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 _JSON_FORMAT = "%(levelname)s %(name)s %(message)s"
 _JSON_RENAME = {"levelname": "level", "name": "logger"}
 
+# C0, DEL, C1, and the Unicode line and paragraph separators: whatever a terminal or a log
+# reader may take for a line break or a command.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# What makes a field value quoted: a control character, any whitespace, `=`, `"`, or nothing.
+_NEEDS_QUOTES = re.compile('[\\s="\x00-\x1f\x7f-\x9f\u2028\u2029]')
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
 access_log = logging.getLogger("proxy.access")
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED_ESCAPES.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def escape_controls(text: str) -> str:
+    """`text` with each control character written as a Python-style escape (`\\n`, `\\x1b`,
+    `\\u2028`), so it cannot end a line or steer a terminal."""
+    return text if _CONTROL.search(text) is None else _CONTROL.sub(_escape, text)
+
+
+def text_value(value: object) -> str:
+    """A text field's value: booleans lower-case; a value that is empty or holds whitespace,
+    `=`, a quote or a control character as a JSON string (every control character escaped,
+    so it reads back with `json.loads`); anything else as `str()` gives it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value)
+    if text and _NEEDS_QUOTES.search(text) is None:
+        return text
+    # json.dumps escapes C0, quotes and backslashes; DEL, C1 and U+2028/9 are left to us.
+    return _CONTROL.sub(_json_escape, json.dumps(text, ensure_ascii=False))
+
+
+def _indented(text: str) -> str:
+    """A traceback or stack as continuation lines: each indented, its control characters
+    escaped (an exception's message may quote client input)."""
+    return "\n".join("  " + escape_controls(line) for line in text.splitlines())
 
 
 class RequestIdFilter(logging.Filter):
@@ -48,21 +101,31 @@ class RequestIdFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """`time LEVEL logger message request_id=... key=value ...`."""
+    """`time LEVEL logger message request_id=... key=value ...`, one line per record (a
+    traceback follows on indented lines)."""
 
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
-        parts = [line]
+        # logging.Formatter.format, with the head and fields escaped and the tail indented.
+        record.message = record.getMessage()
+        record.asctime = self.formatTime(record, self.datefmt)
+        parts = [escape_controls(self.formatMessage(record))]
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
             parts.append(f"request_id={text_value(request_id)}")
         for key, value in record.__dict__.items():
             if key not in _NOT_FIELDS and value is not None:
-                parts.append(f"{key}={text_value(value)}")
-        return " ".join(parts)
+                parts.append(f"{escape_controls(key)}={text_value(value)}")
+        line = " ".join(parts)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            line += "\n" + _indented(record.exc_text)
+        if record.stack_info:
+            line += "\n" + _indented(self.formatStack(record.stack_info))
+        return line
 
 
 class ProxyJsonFormatter(JsonFormatter):
@@ -79,12 +142,19 @@ class ProxyJsonFormatter(JsonFormatter):
         )
 
 
-def json_formatter() -> logging.Formatter:
-    return ProxyJsonFormatter()
-
-
 def formatter(log_format: LogFormat) -> logging.Formatter:
-    return json_formatter() if log_format == "json" else TextFormatter()
+    return ProxyJsonFormatter() if log_format == "json" else TextFormatter()
+
+
+class BrokeOffReported(logging.Filter):
+    """Drops the server's "Exception in ASGI application" report, traceback and all, for an
+    upstream that broke off mid-reply. That failure is logged where it happens, as one
+    WARNING line (proxy.upstream); the exception is raised only because raising is how an
+    ASGI app makes the server abort the client's connection, and it is no error of ours."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, UpstreamBrokeOff)
 
 
 def log_config(level: str, log_format: LogFormat) -> dict[str, Any]:
@@ -94,11 +164,14 @@ def log_config(level: str, log_format: LogFormat) -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"request_id": {"()": RequestIdFilter}},
+        "filters": {
+            "request_id": {"()": RequestIdFilter},
+            "broke_off_reported": {"()": BrokeOffReported},
+        },
         "formatters": {"proxy": {"()": formatter, "log_format": log_format}},
         "handlers": {
             "stderr": {
-                "class": "proxy.logs.ProxyStreamHandler",
+                "class": "logging.StreamHandler",
                 "stream": "ext://sys.stderr",
                 "formatter": "proxy",
                 "filters": ["request_id"],
@@ -107,7 +180,11 @@ def log_config(level: str, log_format: LogFormat) -> dict[str, Any]:
         "root": {"level": level.upper(), "handlers": ["stderr"]},
         "loggers": {
             "uvicorn": {"handlers": [], "propagate": True},
-            "uvicorn.error": {"handlers": [], "propagate": True},
+            "uvicorn.error": {
+                "handlers": [],
+                "propagate": True,
+                "filters": ["broke_off_reported"],
+            },
             "uvicorn.access": {"handlers": [], "propagate": True},
             # One line per upstream request, naming the URL: the access line says it better.
             "httpx": {"level": "WARNING"},
@@ -115,34 +192,32 @@ def log_config(level: str, log_format: LogFormat) -> dict[str, Any]:
     }
 
 
-class ProxyStreamHandler(logging.StreamHandler[TextIO]):
-    """The stderr handler of `log_config`: a StreamHandler the access line may also write to
-    directly, under the same lock, with the same flush after every line."""
-
-    def write_line(self, line: str, record: Record, request_id: str | None) -> None:
-        """What `handle` then `emit` do once the line is formatted."""
-        self.acquire()
-        try:
-            self.stream.write(line + self.terminator)
-            self.flush()
-        except RecursionError:
-            raise
-        except Exception:
-            self.handleError(_log_record(record, request_id))
-        finally:
-            self.release()
-
-
-_TEXT_CLOCK = accessline.TextClock()
+def access_fields(record: Record) -> dict[str, object]:
+    """The access line's fields, in the order both formats write them."""
+    ttfb, duration = record.upstream_ttfb_s, record.duration_s
+    return {
+        "method": record.method,
+        "path": record.path,
+        "route": record.route,
+        "status": record.status,
+        "model": record.model,
+        "stream": record.stream,
+        "tokens_before": record.tokens_before,
+        "tokens_after": record.tokens_after,
+        "compaction": record.compaction,
+        "compaction_reason": record.compaction_reason,
+        "cache": record.cache,
+        "upstream_status": record.upstream_status,
+        "upstream_ttfb_ms": None if ttfb is None else round(ttfb * 1000, 2),
+        "duration_ms": None if duration is None else round(duration * 1000, 2),
+        "client": record.client,
+        "key_id": record.key_id,
+    }
 
 
 class AccessLog:
-    """An ExchangeSink: one INFO line per request when it is over. Never content, credentials
-    or the query string (`path` is the path only).
-
-    With the proxy's own `log_config` in force (nothing added to or taken from it since), the
-    line is rendered here and written to its stderr handler directly (`accessline`): the same
-    bytes, without the LogRecord. Any other configuration gets a logging call, as always."""
+    """An ExchangeSink: one INFO line per request when it is over, on `proxy.access`. Never
+    content, credentials or the query string (`path` is the path only)."""
 
     def started(self, record: Record) -> None:
         pass
@@ -151,91 +226,11 @@ class AccessLog:
         pass
 
     def finished(self, record: Record) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
-            return
-        handler = _direct_handler()
-        if handler is None:
-            _log(record)
-            return
-        formatter = handler.formatter
-        exchange = current_record()
-        request_id = exchange.request_id if exchange is not None else None
-        created, msecs = accessline.clock()
-        if type(formatter) is TextFormatter:
-            asctime = _TEXT_CLOCK.asctime(
-                created,
-                msecs,
-                formatter.converter,
-                formatter.default_time_format,
-                formatter.default_msec_format,
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(
+                "%s %s %s",
+                record.method,
+                record.path,
+                record.status,
+                extra=access_fields(record),
             )
-            head = f"{asctime} {logging.getLevelName(logging.INFO)} {access_log.name} "
-            line = accessline.text_line(head + accessline.message(record), record, request_id)
-        else:
-            line = accessline.json_line(
-                logging.getLevelName(logging.INFO), access_log.name, record, request_id, created
-            )
-        handler.write_line(line, record, request_id)
-
-
-def _direct_handler() -> ProxyStreamHandler | None:
-    """The handler a logging call would reach, if writing to it directly makes the same line:
-    `proxy.access` and the loggers between it and the root adding no handler and propagating,
-    no filter on `proxy.access`, the stock LogRecord, and the root's only handler the one
-    `log_config` made, with its request-id filter and one of its formatters, unchanged."""
-    logger = access_log
-    if logger.handlers or logger.filters or not logger.propagate:
-        return None
-    if logging.getLogRecordFactory() is not logging.LogRecord:
-        return None
-    root = logging.root
-    node = logger.parent
-    while node is not root:
-        if node is None or node.handlers or not node.propagate:
-            return None
-        node = node.parent
-    handlers = root.handlers
-    if len(handlers) != 1:
-        return None
-    handler = handlers[0]
-    if type(handler) is not ProxyStreamHandler or handler.level > logging.INFO:
-        return None
-    filters = handler.filters
-    if len(filters) != 1 or type(filters[0]) is not RequestIdFilter:
-        return None
-    formatter = handler.formatter
-    kind = type(formatter)
-    if kind is TextFormatter:
-        assert formatter is not None
-        if formatter.datefmt is not None or formatter._fmt != _TEXT_FORMAT:
-            return None
-    elif kind is not ProxyJsonFormatter:
-        return None
-    return handler
-
-
-def _log(record: Record) -> None:
-    """The access line as a logging call, for any logging configuration."""
-    access_log.info(
-        "%s %s %s",
-        record.method,
-        record.path,
-        record.status,
-        extra=dict(zip(accessline.FIELDS, accessline.field_values(record), strict=True)),
-    )
-
-
-def _log_record(record: Record, request_id: str | None) -> logging.LogRecord:
-    """The LogRecord the logging call would have made, for `handleError`'s report."""
-    made = access_log.makeRecord(
-        access_log.name,
-        logging.INFO,
-        __file__,
-        0,
-        "%s %s %s",
-        (record.method, record.path, record.status),
-        None,
-        extra=dict(zip(accessline.FIELDS, accessline.field_values(record), strict=True)),
-    )
-    made.request_id = request_id
-    return made

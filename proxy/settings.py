@@ -57,6 +57,10 @@ class ServerSettings(Section):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     max_connections: int = Field(2048, gt=0)
+    # A request's head (request line and headers) larger than this is refused with 431 before
+    # it is parsed (see proxy/connections.py). OpenAI clients send ~1 KB; JWTs and cookies
+    # fit many times over. h11 allows 16 KB, nginx 8 KB per line and 32 KB in all.
+    max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # "json": one JSON object per line (ours and uvicorn's alike), for log shippers.
     log_format: Literal["text", "json"] = "text"

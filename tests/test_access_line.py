@@ -1,12 +1,14 @@
-"""The access line as the proxy writes it directly is, byte for byte, the line the logging call
-makes; and any logging configuration other than the proxy's own gets every line through
-logging, as before."""
+"""The access line: an ordinary `logging` record on `proxy.access`, formatted by the proxy's
+text or JSON formatter. Whatever a client put in a field, a text line stays one line and
+its fields read back; an operator's own logging configuration gets every line its way."""
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import logging.config
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -16,16 +18,19 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy import logs
 from proxy.exchange import Record, _current
-from proxy.logs import AccessLog, LogFormat, access_log, log_config
+from proxy.logs import AccessLog, LogFormat, access_fields, access_log, log_config
 
 ODD = [" ", "", '"', "=", "\n", "a b", 'say "hi"', "k=v", "line\nbreak", "é", "日本語",
-       "None", "true", "\\", "\t", "\x00", "\u2028", "emoji \U0001f600"]  # fmt: skip
+       "None", "true", "\\", "\t", "\x00", "\r", "\x1b[2J", "\x7f", "\x85", "\u2028",
+       "\u2029", "\x0b\x0c\x1c\x1d\x1e", "emoji \U0001f600",
+       "/v1/x\n2026-01-01 00:00:00,000 INFO proxy.access forged"]  # fmt: skip
 texts = st.one_of(st.sampled_from(ODD), st.text(max_size=12))
 maybe_texts = st.none() | texts
 counts = st.none() | st.integers(min_value=-(2**63), max_value=2**63)
 seconds = st.none() | st.floats(allow_nan=True, allow_infinity=True, width=64)
+# The start of a record in the text format: `date time,ms LEVEL logger `.
+RECORD_START = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+ ")
 
 
 @st.composite
@@ -80,81 +85,84 @@ def proxy_logging(log_format: LogFormat, level: str = "info") -> Iterator[io.Str
                 lg.filters[:] = filters
 
 
-@contextmanager
-def frozen_clock(now: float) -> Iterator[None]:
-    """`time.time()` (and `time.time_ns()`) read `now`, for LogRecord and the direct path."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(time, "time", lambda: now)
-        mp.setattr(time, "time_ns", lambda: int(now * 1e9))
-        yield
-
-
-class _Pass(logging.Filter):
-    """Lets everything through: on `proxy.access` it only makes the configuration not the
-    proxy's own."""
-
-
-def both_lines(stream: io.StringIO, record: Record, current: Record | None) -> tuple[str, str]:
-    """The line written directly, then the line the logging call writes, for `record`."""
+def finish(record: Record, current: Record | None = None) -> None:
+    """The access log told that `record` is over, with `current` the request being served."""
     token = _current.set(current)
     try:
-        assert logs._direct_handler() is not None
-        start = stream.tell()
         AccessLog().finished(record)
-        direct = stream.getvalue()[start:]
-        access_log.addFilter(_Pass())
-        try:
-            assert logs._direct_handler() is None
-            start = stream.tell()
-            AccessLog().finished(record)
-            logged = stream.getvalue()[start:]
-        finally:
-            access_log.filters.clear()
     finally:
         _current.reset(token)
-    return direct, logged
 
 
-now = st.one_of(
-    st.floats(min_value=0, max_value=4_102_444_800, allow_nan=False),
-    st.integers(min_value=0, max_value=4_102_444_800).map(lambda s: s + 0.9995),
-    st.integers(min_value=0, max_value=4_102_444_800).map(float),
-)
+def read_fields(line: str) -> dict[str, object]:
+    """`key=value ...` after the message, read back: a quoted value as the JSON string it
+    is. The message is free text: fields are read from where `request_id=` (always first,
+    never in the message of these records) begins."""
+    fields: dict[str, object] = {}
+    rest = line[line.index(" request_id=") + 1 :]
+    decoder = json.JSONDecoder()
+    while rest:
+        key, _, rest = rest.partition("=")
+        if rest.startswith('"'):
+            value, end = decoder.raw_decode(rest)
+            fields[key], rest = value, rest[end:].removeprefix(" ")
+        else:
+            value, _, rest = rest.partition(" ")
+            fields[key] = value
+    return fields
 
 
-@pytest.mark.parametrize("log_format", ["text", "json"])
-@given(record=records(), at=now, current_is_record=st.booleans())
-@example(record=served_record(), at=1_764_636_330.123456, current_is_record=True)
-@example(record=served_record(), at=1_764_636_330.9999999, current_is_record=False)
-def test_direct_line_is_the_logged_line_byte_for_byte(
-    log_format: LogFormat, record: Record, at: float, current_is_record: bool
+def shown(value: object) -> object:
+    """A field's value as a text line shows it (read back by `read_fields`)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+@given(record=records())
+@example(record=served_record())
+def test_a_text_line_is_one_line_whatever_the_fields_hold_and_its_fields_read_back(
+    record: Record,
 ) -> None:
-    with proxy_logging(log_format) as stream, frozen_clock(at):
-        direct, logged = both_lines(stream, record, record if current_is_record else None)
-    assert direct == logged
-    assert direct.endswith("\n")
+    record.request_id = "req_1"  # the reader starts at request_id (see read_fields)
+    with proxy_logging("text") as stream:
+        finish(record, record)
+    text = stream.getvalue()
+    assert text.endswith("\n")
+    line = text[:-1]
+    assert line.splitlines() == [line]  # no line break of any kind (\r, \x85, \u2028...)
+    assert not re.search("[\x00-\x1f\x7f-\x9f\u2028\u2029]", line)
+    assert RECORD_START.match(line)
+    expected = {"request_id": "req_1"} | {
+        key: shown(value) for key, value in access_fields(record).items() if value is not None
+    }
+    assert read_fields(line) == expected
 
 
-@pytest.mark.parametrize("log_format", ["text", "json"])
-def test_consecutive_lines_in_one_second_and_the_next_keep_their_times(
-    log_format: LogFormat,
+@given(record=records(), current_is_record=st.booleans())
+def test_a_json_line_holds_every_field_as_the_record_has_it(
+    record: Record, current_is_record: bool
 ) -> None:
-    """The direct path reuses a second's formatted time: never into the next second."""
-    record = served_record()
-    for at in (1_764_636_330.001, 1_764_636_330.999, 1_764_636_331.0, 1_764_636_331.5):
-        with proxy_logging(log_format) as stream, frozen_clock(at):
-            direct, logged = both_lines(stream, record, record)
-        assert direct == logged
+    with proxy_logging("json") as stream:
+        finish(record, record if current_is_record else None)
+    text = stream.getvalue()
+    assert text.endswith("\n") and "\n" not in text[:-1]
+    line = json.loads(text)
+    assert line.pop("level") == "INFO" and line.pop("logger") == "proxy.access"
+    assert line.pop("message") == f"{record.method} {record.path} {record.status}"
+    assert line.pop("request_id") == (record.request_id if current_is_record else None)
+    assert isinstance(line.pop("time"), str)
+    expected = json.loads(json.dumps(access_fields(record)))  # NaN and infinities as json has them
+    assert line.keys() == expected.keys()
+    assert json.dumps(line, sort_keys=True) == json.dumps(expected, sort_keys=True)
 
 
 def test_a_served_text_line_reads_as_before() -> None:
     record = served_record()
-    with proxy_logging("text") as stream, frozen_clock(1_764_636_330.25):
-        token = _current.set(record)
-        try:
-            AccessLog().finished(record)
-        finally:
-            _current.reset(token)
+    with proxy_logging("text") as stream, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(time, "time", lambda: 1_764_636_330.25)
+        mp.setattr(time, "time_ns", lambda: 1_764_636_330_250_000_000)
+        finish(record, record)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1_764_636_330))
     assert stream.getvalue() == (
         f"{stamp},250 INFO proxy.access POST /v1/chat/completions 200 request_id=req_0123 "
@@ -165,9 +173,40 @@ def test_a_served_text_line_reads_as_before() -> None:
     )
 
 
+def test_a_forged_line_in_the_path_stays_in_its_own_line_escaped() -> None:
+    record = served_record()
+    record.path = "/v1/x\n2026-01-01 00:00:00,000 INFO proxy.access forged\r\x1b[2J"
+    record.status = 401
+    with proxy_logging("text") as stream:
+        finish(record, record)
+    (line,) = stream.getvalue().splitlines()
+    assert (
+        " POST /v1/x\\n2026-01-01 00:00:00,000 INFO proxy.access forged\\r\\x1b[2J 401 "
+        in line
+    )
+    assert ' path="/v1/x\\n2026-01-01 00:00:00,000 INFO proxy.access forged\\r\\u001b[2J" ' in line
+    assert read_fields(line)["path"] == record.path
+
+
+def test_a_traceback_follows_on_indented_lines_its_message_escaped() -> None:
+    with proxy_logging("text") as stream:
+        try:
+            raise ValueError("bad path /x\n2026-01-01 00:00:00,000 INFO proxy.access forged")
+        except ValueError:
+            logging.getLogger("proxy.app").exception("unhandled\nerror")
+    first, *rest = stream.getvalue().splitlines()
+    assert RECORD_START.match(first) and first.endswith("ERROR proxy.app unhandled\\nerror")
+    assert rest and all(line.startswith("  ") for line in rest)
+    assert rest[0] == "  Traceback (most recent call last):"
+    assert rest[-2:] == [
+        "  ValueError: bad path /x",
+        "  2026-01-01 00:00:00,000 INFO proxy.access forged",
+    ]
+
+
 def test_level_above_info_writes_no_access_line() -> None:
     with proxy_logging("text", level="warning") as stream:
-        AccessLog().finished(served_record())
+        finish(served_record())
     assert stream.getvalue() == ""
 
 
@@ -175,7 +214,7 @@ def test_a_disabled_access_logger_writes_nothing() -> None:
     with proxy_logging("json") as stream:
         access_log.disabled = True
         try:
-            AccessLog().finished(served_record())
+            finish(served_record())
         finally:
             access_log.disabled = False
     assert stream.getvalue() == ""
@@ -194,41 +233,24 @@ def _finish(n: int) -> None:
     for i in range(n):
         record = served_record()
         record.status = 200 + i
-        token = _current.set(record)
-        try:
-            AccessLog().finished(record)
-        finally:
-            _current.reset(token)
+        finish(record, record)
 
 
-def test_a_handler_on_the_access_logger_gets_every_line_and_the_root_still_does() -> None:
+def test_a_handler_on_the_access_logger_gets_each_record_with_its_fields() -> None:
     with proxy_logging("text") as stream:
         mine = _Collect()
         access_log.addHandler(mine)
-        _finish(3)
+        try:
+            _finish(3)
+        finally:
+            access_log.removeHandler(mine)
     assert [r.status for r in mine.records] == [200, 201, 202]  # type: ignore[attr-defined]
     assert all(r.request_id == "req_0123" for r in mine.records)  # type: ignore[attr-defined]
+    assert all(r.duration_ms == 23.46 for r in mine.records)  # type: ignore[attr-defined]
     assert len(stream.getvalue().splitlines()) == 3
 
 
-def test_no_propagation_keeps_lines_off_the_proxy_stderr() -> None:
-    with proxy_logging("text") as stream:
-        mine = _Collect()
-        access_log.addHandler(mine)
-        access_log.propagate = False
-        _finish(2)
-    assert len(mine.records) == 2 and stream.getvalue() == ""
-
-
-def test_a_handler_on_the_parent_logger_gets_every_line() -> None:
-    with proxy_logging("json") as stream:
-        mine = _Collect()
-        logging.getLogger("proxy").addHandler(mine)
-        _finish(2)
-    assert len(mine.records) == 2 and len(stream.getvalue().splitlines()) == 2
-
-
-def test_an_operators_own_root_handler_and_stream_get_the_lines_their_way() -> None:
+def test_an_operators_own_root_handler_and_formatter_get_the_lines_their_way() -> None:
     theirs = io.StringIO()
     with proxy_logging("text") as stream:
         handler = logging.StreamHandler(theirs)
@@ -255,53 +277,6 @@ def test_a_filter_added_to_the_proxy_handler_sees_and_can_drop_each_line() -> No
     assert [line.split()[6] for line in stream.getvalue().splitlines()] == ["200", "202"]
 
 
-def test_a_formatter_set_on_the_proxy_handler_is_used() -> None:
-    with proxy_logging("json") as stream:
-        logging.root.handlers[0].setFormatter(logging.Formatter("%(name)s %(message)s"))
-        _finish(1)
-    assert stream.getvalue() == "proxy.access POST /v1/chat/completions 200\n"
-
-
-def test_a_converter_set_on_the_formatter_class_is_honoured() -> None:
-    """`Formatter.converter = time.gmtime`, as logging's docs suggest for UTC times."""
-    record = served_record()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(logging.Formatter, "converter", time.gmtime)
-        with proxy_logging("text") as stream, frozen_clock(1_764_636_330.5):
-            direct, logged = both_lines(stream, record, record)
-    assert direct == logged
-    assert direct.startswith("2025-12-02 00:45:30,500 INFO proxy.access ")
-
-
-def test_another_log_record_factory_gets_every_line() -> None:
-    made: list[str] = []
-    default = logging.getLogRecordFactory()
-
-    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
-        record = default(*args, **kwargs)  # type: ignore[arg-type]
-        made.append(record.name)
-        return record
-
-    with proxy_logging("text") as stream:
-        logging.setLogRecordFactory(factory)
-        try:
-            _finish(2)
-        finally:
-            logging.setLogRecordFactory(default)
-    assert made == ["proxy.access", "proxy.access"]
-    assert len(stream.getvalue().splitlines()) == 2
-
-
-def test_a_stream_set_on_the_proxy_handler_gets_the_lines() -> None:
-    other = io.StringIO()
-    with proxy_logging("text") as stream:
-        handler = logging.root.handlers[0]
-        assert isinstance(handler, logging.StreamHandler)
-        handler.setStream(other)
-        _finish(2)
-    assert stream.getvalue() == "" and len(other.getvalue().splitlines()) == 2
-
-
 def test_lines_from_other_loggers_keep_their_place() -> None:
     with proxy_logging("text") as stream:
         _finish(1)
@@ -311,25 +286,3 @@ def test_lines_from_other_loggers_keep_their_place() -> None:
     assert [line.split(" ", 4)[4].split()[0] for line in lines] == [
         "POST", "between", "POST",
     ]  # fmt: skip
-
-
-class _Broken(io.StringIO):
-    def write(self, text: str) -> int:
-        raise OSError("stderr is gone")
-
-
-def test_a_failing_stream_is_reported_as_logging_reports_it(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """`handleError`: a `--- Logging error ---` report, and the request goes on."""
-    with proxy_logging("text"):
-        handler = logging.root.handlers[0]
-        assert isinstance(handler, logging.StreamHandler)
-        handler.setStream(_Broken())
-        reports = io.StringIO()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(sys, "stderr", reports)
-            _finish(1)
-    report = reports.getvalue()
-    assert "--- Logging error ---" in report and "stderr is gone" in report
-    assert "Message: '%s %s %s'" in report and "'POST', '/v1/chat/completions', 200" in report

@@ -1,5 +1,5 @@
-"""Start-up warm-up: done before the server listens, invisible to the upstream, the metrics
-and the access logs; one upstream connection opened at start (no request on it) unless
+"""Start-up work: done before the server listens, invisible to the upstream, the metrics
+and the access log; one upstream connection opened at start (no request on it) unless
 `server.warm_connect_s = 0`; the optional start probe sends the upstream `GET /models`."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from proxy import warmup
 from proxy.app import create_app
 from proxy.settings import Settings
-from tests.fault_upstream import WAIT_S, FaultUpstream, fault_upstream, serving
+from tests.fault_upstream import WAIT_S, FaultUpstream, fault_upstream
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -55,11 +55,9 @@ async def test_warm_up_runs_at_start_and_nobody_sees_it(caplog: pytest.LogCaptur
     async with fault_upstream() as upstream:
         app = served_app(upstream)
         async with started(app) as client:
-            assert app.middleware_stack is not None  # built at start, not by request 1
             assert gc.get_freeze_count() > frozen_before  # start-up objects out of the GC
-            # The rehearsal went to a throwaway server: the upstream has seen no request
-            # (one connection, opened at start, carries nothing yet), the access log has no
-            # line, the metrics count no request.
+            # The upstream has seen no request (one connection, opened at start, carries
+            # nothing yet), the access log has no line, the metrics count no request.
             await asyncio.wait_for(upstream.connected.wait(), WAIT_S)
             assert upstream.seen == []
             assert upstream.connections == 1
@@ -115,39 +113,6 @@ async def test_the_model_names_the_configuration_names_are_profiled_at_start() -
     gc.unfreeze()
 
 
-async def test_under_uvicorn_the_rehearsal_writes_no_access_line_and_counts_nothing(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # uvicorn's own access line on, as plain `uvicorn proxy.app:create_app` has it: the
-    # rehearsal (served by uvicorn's protocol too) writes none; the real requests do.
-    caplog.set_level(logging.INFO)
-    caplog.set_level(logging.INFO, logger="uvicorn.access")
-    # (servers and log configs of earlier tests may have stopped or disabled it)
-    monkeypatch.setattr(logging.getLogger("uvicorn.access"), "propagate", True)
-    monkeypatch.setattr(logging.getLogger("uvicorn.access"), "disabled", False)
-    async with fault_upstream() as upstream:
-        app = served_app(upstream)
-        async with (
-            serving(app, access_log=True) as port,
-            httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
-        ):
-            assert upstream.seen == []
-            reply = await client.post("/v1/chat/completions", json=CHAT)
-            assert reply.status_code == 200
-            metrics = samples((await client.get("/metrics")).text)
-        await app.state.proxy.upstream.client.aclose()
-    uvicorn_lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
-    # All from the test's one connection (a rehearsal line would name another client port),
-    # and only its two requests.
-    assert len({line.split()[0] for line in uvicorn_lines}) == 1
-    requests = {line.split('"')[1] for line in uvicorn_lines}
-    assert requests == {"POST /v1/chat/completions HTTP/1.1", "GET /metrics HTTP/1.1"}
-    assert [s.path for s in upstream.seen] == [b"/v1/chat/completions"]
-    total = sum(v for k, v in metrics.items() if k[0] == "compaction_proxy_requests_total")
-    assert total == 1  # the chat request; the scrape is counted once it has answered
-    gc.unfreeze()
-
-
 async def test_warm_connect_s_0_opens_no_connection_at_start() -> None:
     async with (
         fault_upstream() as upstream,
@@ -175,10 +140,10 @@ async def test_a_down_upstream_does_not_stop_the_start_nor_answer_for_the_first_
 async def test_a_failing_warm_up_does_not_stop_the_start(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("rehearsal broke")
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("warm-up broke")
 
-    monkeypatch.setattr(warmup, "rehearse", broken)
+    monkeypatch.setattr(warmup, "known_models", broken)
     async with fault_upstream() as upstream, started(served_app(upstream)) as client:
         reply = await client.post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 200
