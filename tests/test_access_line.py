@@ -180,10 +180,7 @@ def test_a_forged_line_in_the_path_stays_in_its_own_line_escaped() -> None:
     with proxy_logging("text") as stream:
         finish(record, record)
     (line,) = stream.getvalue().splitlines()
-    assert (
-        " POST /v1/x\\n2026-01-01 00:00:00,000 INFO proxy.access forged\\r\\x1b[2J 401 "
-        in line
-    )
+    assert " POST /v1/x\\n2026-01-01 00:00:00,000 INFO proxy.access forged\\r\\x1b[2J 401 " in line
     assert ' path="/v1/x\\n2026-01-01 00:00:00,000 INFO proxy.access forged\\r\\u001b[2J" ' in line
     assert read_fields(line)["path"] == record.path
 
