@@ -115,9 +115,9 @@ class TextFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
             parts.append(f"request_id={text_value(request_id)}")
-        for key, value in record.__dict__.items():
+        for key, value in record.__dict__.items():  # keys are names code chose (`extra=`)
             if key not in _NOT_FIELDS and value is not None:
-                parts.append(f"{escape_controls(key)}={text_value(value)}")
+                parts.append(f"{key}={text_value(value)}")
         line = " ".join(parts)
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
