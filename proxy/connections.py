@@ -21,9 +21,9 @@ httptools one, plus timers) adds:
   that pipelines requests.
 
 uvicorn's h11 protocol has a head limit of its own (`h11_max_incomplete_event_size`), but it
-answers 400, and under the proxy it served 0.69-0.89x the requests per second of httptools
-at 1.24-1.41x the CPU per request (small bodies, concurrency 1 and 64, plain and streamed;
-bench.overhead's load, both on uvloop). So the httptools protocol stays, extended through
+answers 400, and under the proxy it served 0.63-0.89x the requests per second of httptools
+at 1.24-1.53x the CPU per request (two interleaved runs of bench.overhead's load: small
+bodies, concurrency 1 and 64, plain and streamed, both on uvloop). So the httptools protocol stays, extended through
 uvicorn's own `http=` setting, which takes a protocol class; the methods overridden here
 (`connection_made`, `data_received`, the parser callbacks) are the ones uvicorn's httptools
 protocol has had since 0.30, the oldest release the proxy admits.
