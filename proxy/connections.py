@@ -23,10 +23,11 @@ httptools one, plus timers) adds:
 uvicorn's h11 protocol has a head limit of its own (`h11_max_incomplete_event_size`), but it
 answers 400, and under the proxy it served 0.63-0.89x the requests per second of httptools
 at 1.24-1.53x the CPU per request (two interleaved runs of bench.overhead's load: small
-bodies, concurrency 1 and 64, plain and streamed, both on uvloop). So the httptools protocol stays, extended through
-uvicorn's own `http=` setting, which takes a protocol class; the methods overridden here
-(`connection_made`, `data_received`, the parser callbacks) are the ones uvicorn's httptools
-protocol has had since 0.30, the oldest release the proxy admits.
+bodies, concurrency 1 and 64, plain and streamed, both on uvloop). So the httptools
+protocol stays, extended through uvicorn's own `http=` setting, which takes a protocol
+class; the methods overridden here (`connection_made`, `data_received`, the parser
+callbacks) are the ones uvicorn's httptools protocol has had since 0.30, the oldest release
+the proxy admits.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False  # over the connection limit: never handed to uvicorn
         self._discarding = False  # refused a head: what still arrives is not parsed
         self._request_begun = False
-        self._head_bytes: int | None = 0  # of the head being read; None while a body is
+        self._head_bytes: int | None = 0  # of the head being read; None while reading a body
         self._heads = 0  # heads parsed whole on this connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
