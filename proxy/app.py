@@ -76,8 +76,8 @@ def create_app(
     client = create_upstream_client(settings.upstream, transport)
     store = create_store(settings.cache)
     metrics = Metrics(store)
-    readiness = readiness_for(settings, client, store, lambda: counter.estimated)
     ledger = create_ledger(settings)
+    readiness = readiness_for(settings, client, store, lambda: counter.estimated, ledger)
     state = ProxyState(
         settings=settings,
         upstream=Upstream(client, settings.upstream),
@@ -156,7 +156,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """200 when every dependency answers; 503 naming the ones that don't (see readiness.py)."""
+    """200 unless a hard dependency is down (503 naming it); soft ones are reported, with
+    status "degraded" (see readiness.py)."""
     readiness: Readiness = request.app.state.readiness
     ready, body = await readiness.report()
     return JSONResponse(body, status_code=200 if ready else 503)

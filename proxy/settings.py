@@ -62,6 +62,10 @@ class ServerSettings(Section):
     log_format: Literal["text", "json"] = "text"
     # How long /readyz keeps each dependency's answer (one probe per period, however polled).
     readiness_cache_s: float = Field(5.0, ge=0)
+    # /readyz answers 503 only for a hard dependency (the upstream; the quota store when it
+    # fails closed); a soft one (the summary store, a fail-open quota store) that is down is
+    # reported with status "degraded" and a 200. true: every dependency is hard.
+    readiness_strict: bool = False
     # At start, run the /readyz checks once (kept like any /readyz answer): the upstream probe
     # leaves a pooled connection open, so the first request does not open one. The start waits
     # for it at most this many seconds (then it goes on in the background); 0: no start probe.
