@@ -33,6 +33,7 @@ from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
 from proxy.redact import redact_url
 from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
+from proxy.startup import startup_fields
 from proxy.state import ProxyState
 from proxy.store import create_store
 from proxy.tokens import TokenCounter
@@ -92,7 +93,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        log.info("proxying to %s", redact_url(settings.upstream.base_url))
+        upstream = redact_url(settings.upstream.base_url)
+        log.info("proxying to %s", upstream, extra=startup_fields(settings))
         through = proxy_for(client, settings.upstream.base_url)
         if through is not None:
             log.info("upstream requests go through the proxy %s", through)

@@ -98,7 +98,8 @@ class Readiness:
     async def report(self) -> tuple[bool, dict[str, Any]]:
         """(ready, the JSON body): ready unless a hard check fails."""
         names = list(self.checks)
-        results = dict(zip(names, await asyncio.gather(*(self.checks[n].get() for n in names))))
+        answers = await asyncio.gather(*(self.checks[name].get() for name in names))
+        results = dict(zip(names, answers, strict=True))
         failing = [name for name in names if not results[name].ok]
         blocking = [name for name in failing if name not in self.soft]
         checks: dict[str, Any] = {}
