@@ -4,8 +4,8 @@
 
 `make_app(**sections)` builds the proxy with test defaults (fake upstream URL, small budget,
 memory store, tokenizer from the offline package); `FakeOpenAI` is the upstream (on a respx
-router or served as an ASGI app); `CompactionReport.from_headers` reads what the proxy did; `serve(app)` puts an app on a real
-socket of 127.0.0.1, for clients the test does not build itself.
+router or served as an ASGI app); `CompactionReport.from_headers` reads what the proxy did;
+`serve(app)` puts an app on a real socket of 127.0.0.1, for clients the test does not build.
 The pytest plugin (`-p compaction_proxy`) wires them into fixtures.
 """
 

@@ -37,7 +37,8 @@ def test_an_app_on_the_sync_client_sees_compaction_then_reuse(
     first = statuses.index("compacted")
     assert statuses[first + 1] == "reused", statuses
     assert len(fake_openai.summarizer_calls) == 1
-    assert any(FAKE_SUMMARY_PREFIX in str(m["content"]) for m in fake_openai.last_forwarded_messages)
+    forwarded = fake_openai.last_forwarded_messages
+    assert any(FAKE_SUMMARY_PREFIX in str(m["content"]) for m in forwarded)
 
 
 def test_the_sync_client_streams_through_the_served_proxy(
@@ -47,7 +48,7 @@ def test_the_sync_client_streams_through_the_served_proxy(
     stream = sync_openai_client.chat.completions.create(
         model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], stream=True
     )
-    pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(pieces) == "streamed word by word"
     assert fake_openai.chat_calls[-1].stream
 
