@@ -225,10 +225,8 @@ def turn_of(headers: httpx.Headers, messages: int) -> Turn:
 def demo_command(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     messages = opening_history()
-    print(
-        f"A coding agent's session through {url}: each turn resends the history plus one tool "
-        f"call and its output (budget {args.budget} tokens, sent as x-compaction-budget).\n"
-    )
+    print(f"A coding agent's session through {url}: each turn resends the history plus one")
+    print(f"tool call and its output; budget {args.budget} tokens (sent as x-compaction-budget).\n")
     print(ROW.format("turn", "messages", "status", "cache", "tokens sent -> forwarded",
                      "summarized", "summary input"))  # fmt: skip
     turns: list[Turn] = []

@@ -23,6 +23,13 @@ def test_the_readme_example_passes_with_the_plugin_opted_in(project: Path) -> No
     assert "1 passed" in done.stdout
 
 
+def test_the_readmes_sync_client_example_passes(tmp_path: Path) -> None:
+    (tmp_path / "test_sync_example.py").write_text(readme_example(1), encoding="utf-8")
+    done = run_pytest(sys.executable, tmp_path, "-p", "compaction_proxy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
 # Only the fixtures' presence: quicker than the example, which builds the tokenizer.
 FIXTURES_ONLY = """
 def test_the_fixtures_are_there(fake_openai, compaction_proxy_settings):
