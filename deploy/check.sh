@@ -120,13 +120,14 @@ upstream_pid=$!
 
 cleanup() {
   "${compose[@]}" logs > "$work/compose.log" 2>&1 || true
-  "${compose[@]}" down -t 5 >/dev/null 2>&1 || true
+  "${compose[@]}" down -v -t 5 >/dev/null 2>&1 || true  # -v: the check's own Redis volume
   kill "$upstream_pid" 2>/dev/null || true
   echo "logs kept in $work"
 }
 trap cleanup EXIT
 
 echo "building and starting deploy/compose.yaml ..."
+"${compose[@]}" down -v >/dev/null 2>&1 || true  # what an interrupted run left: a fresh ledger
 (cd "$root" && "${compose[@]}" build >"$work/build.log" 2>&1) || fail "build (see $work/build.log)"
 "${compose[@]}" up -d >"$work/up.log" 2>&1 || fail "up (see $work/up.log)"
 
@@ -182,7 +183,8 @@ python3 -c 'import json,sys; sys.exit(json.loads(sys.argv[1])["summarizer"] != 1
 
 # Each replica's metrics on its own port; none through the balancer.
 for port in "$METRICS_PORT_1" "$METRICS_PORT_2"; do
-  curl -fsS "http://127.0.0.1:$port/metrics" | grep -q '^compaction_proxy_requests_total' \
+  scraped=$(curl -fsS "http://127.0.0.1:$port/metrics") || fail "127.0.0.1:$port/metrics"
+  grep -q '^compaction_proxy_requests_total' <<<"$scraped" \
     || fail "no proxy metrics on 127.0.0.1:$port/metrics"
 done
 status=$(curl -s -o /dev/null -w '%{http_code}' "$lb/metrics")
