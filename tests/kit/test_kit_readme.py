@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -97,3 +98,12 @@ def test_the_hint_leaves_other_fixtures_and_a_projects_own_alone(tmp_path: Path)
     assert "1 passed, 1 error" in done.stdout, done.stdout
     assert "fixture 'no_such_fixture' not found" in done.stdout
     assert "compaction-proxy" not in done.stdout
+
+
+def test_the_hint_knows_every_fixture_the_plugin_defines(tmp_path: Path) -> None:
+    from proxy.pytest_entry import KIT_FIXTURES
+
+    done = run_pytest(sys.executable, tmp_path, "-p", "compaction_proxy", "--fixtures")
+    section = done.stdout.split("fixtures defined from proxy.testing.plugin", 1)[1]
+    defined = set(re.findall(r"^(\w+) -- ", section.split("\n--", 1)[0], re.MULTILINE))
+    assert defined == KIT_FIXTURES
