@@ -25,6 +25,8 @@ USER 10001
 ENV COMPACTION_PROXY_SERVER__HOST=0.0.0.0 \
     COMPACTION_PROXY_SERVER__PORT=8080
 EXPOSE 8080
+# The port the server binds: COMPACTION_PROXY_SERVER__PORT (which wins over a config file's
+# server.port). Run on another port by setting that variable, not --port.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('COMPACTION_PROXY_SERVER__PORT', '8080'), timeout=2)"]
 CMD ["compaction-proxy", "serve"]

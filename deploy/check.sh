@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Bring deploy/compose.yaml up with podman and check that the two replicas share summaries
-# through Redis: a compacted request answered by one replica is reused by the other, with
-# one summarizer call in all. Not part of the test suite (it builds images; minutes).
+# Bring deploy/compose.yaml up with podman and check it as a production starting point: the
+# two replicas share summaries through Redis (a compacted request answered by one replica is
+# reused by the other, one summarizer call in all), each replica's /metrics is reachable on
+# its own port and not through the balancer, the admin token from the env file opens
+# /admin/usage, and the usage ledger survives a restart of Redis (append-only file on a
+# volume). It builds images and takes minutes.
 #
-#   deploy/check.sh            exit 0: passed (or skipped, saying why); 1: failed
+#   deploy/check.sh     exit 0: passed; 1: failed; 2: could not run (says what is missing)
+#
+# CI does not run it: .ci/run runs lint, types and the test suite, on a machine without
+# podman. Run it by hand after changing the Dockerfile, deploy/ or what they start; a run
+# that could not happen (exit 2) is not a pass.
 #
 # Needs podman with DNS on its networks and podman-compose (`apt-get install podman iptables
 # golang-github-containernetworking-plugin-dnsname`, `pip install podman-compose`). The
@@ -16,16 +23,16 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 project=compaction-proxy-check
 
-skip() { echo "deploy/check.sh: SKIPPED: $*"; exit 0; }
+cannot_run() { echo "deploy/check.sh: NOT RUN: $*" >&2; exit 2; }
 fail() { echo "deploy/check.sh: FAILED: $*"; exit 1; }
 
-command -v podman >/dev/null || skip "podman is not installed (apt-get install podman)"
+command -v podman >/dev/null || cannot_run "podman is not installed (apt-get install podman)"
 if command -v podman-compose >/dev/null; then
   compose=(podman-compose)
 elif python3 -c "import podman_compose" 2>/dev/null; then
   compose=(python3 -m podman_compose)
 else
-  skip "podman-compose is not installed (pip install podman-compose)"
+  cannot_run "podman-compose is not installed (pip install podman-compose)"
 fi
 compose+=(-p "$project" -f "$here/compose.yaml")
 
@@ -37,13 +44,13 @@ if [ "$(podman info --format '{{.Host.NetworkBackend}}' 2>/dev/null)" = cni ]; t
   for dir in /usr/local/libexec/cni /usr/libexec/cni /usr/local/lib/cni /usr/lib/cni /opt/cni/bin; do
     [ -x "$dir/dnsname" ] && dnsname=yes
   done
-  [ "$dnsname" = yes ] || skip "podman's CNI networks have no DNS here" \
+  [ "$dnsname" = yes ] || cannot_run "podman's CNI networks have no DNS here" \
     "(apt-get install golang-github-containernetworking-plugin-dnsname)"
 fi
 
 base=docker.io/library/python:3.11-slim
 if ! podman image exists "$base" && ! podman pull -q "$base" >/dev/null 2>&1; then
-  command -v debootstrap >/dev/null || skip "no $base image, no registry and no debootstrap"
+  command -v debootstrap >/dev/null || cannot_run "no $base image, no registry and no debootstrap"
   echo "making a local stand-in for $base with debootstrap..."
   rootfs=$(mktemp -d /var/tmp/compaction-proxy-rootfs.XXXXXX)
   debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
@@ -68,9 +75,19 @@ upstream_port=$(free_port)
 PROXY_PORT=$(free_port)
 export PROXY_PORT
 export UPSTREAM_BASE_URL="http://host.containers.internal:$upstream_port/v1"
-export PROXY_KEY_TEAM_A="pk-check-$RANDOM$RANDOM"
-export PROXY_KEY_TEAM_B="pk-check-$RANDOM$RANDOM"
+METRICS_PORT_1=$(free_port)
+METRICS_PORT_2=$(free_port)
+export METRICS_PORT_1 METRICS_PORT_2
+key_a="pk-check-$RANDOM$RANDOM"
+admin_token="admin-check-$RANDOM$RANDOM"
 work=$(mktemp -d)
+# The env file compose.yaml hands the replicas, as deploy/.env would be (.env.example).
+export PROXY_ENV_FILE="$work/check.env"
+cat > "$PROXY_ENV_FILE" <<ENV
+PROXY_ADMIN_TOKEN=$admin_token
+PROXY_KEY_TEAM_A=$key_a
+PROXY_KEY_TEAM_B=pk-check-$RANDOM$RANDOM
+ENV
 
 # The upstream: answers chat completions (summarizer calls are the ones with max_tokens)
 # and counts summarizer calls at GET /calls.
@@ -103,13 +120,14 @@ upstream_pid=$!
 
 cleanup() {
   "${compose[@]}" logs > "$work/compose.log" 2>&1 || true
-  "${compose[@]}" down -t 5 >/dev/null 2>&1 || true
+  "${compose[@]}" down -v -t 5 >/dev/null 2>&1 || true  # -v: the check's own Redis volume
   kill "$upstream_pid" 2>/dev/null || true
   echo "logs kept in $work"
 }
 trap cleanup EXIT
 
 echo "building and starting deploy/compose.yaml ..."
+"${compose[@]}" down -v >/dev/null 2>&1 || true  # what an interrupted run left: a fresh ledger
 (cd "$root" && "${compose[@]}" build >"$work/build.log" 2>&1) || fail "build (see $work/build.log)"
 "${compose[@]}" up -d >"$work/up.log" 2>&1 || fail "up (see $work/up.log)"
 
@@ -140,7 +158,7 @@ print(json.dumps({"model": "gpt-4o-mini", "messages": messages}))')
 
 ask() {  # $1: request id; prints the x-compaction-status and x-compaction-cache headers
   curl -fsS -o /dev/null -D - "$lb/v1/chat/completions" \
-    -H "authorization: Bearer $PROXY_KEY_TEAM_A" -H "content-type: application/json" \
+    -H "authorization: Bearer $key_a" -H "content-type: application/json" \
     -H "x-compaction: force" -H "x-request-id: $1" -d "$body" \
     | tr -d '\r' | awk -F': ' 'tolower($1)=="x-compaction-status"{s=$2} tolower($1)=="x-compaction-cache"{c=$2} END{print s, c}'
 }
@@ -162,4 +180,27 @@ echo "proxy-1 served: ${one:-nothing}; proxy-2 served: ${two:-nothing}"
   || fail "the two requests were not answered by different replicas"
 python3 -c 'import json,sys; sys.exit(json.loads(sys.argv[1])["summarizer"] != 1)' "$calls" \
   || fail "expected exactly one summarizer call across both replicas: $calls"
-echo "deploy/check.sh: PASSED: two replicas behind one port share summaries through Redis"
+
+# Each replica's metrics on its own port; none through the balancer.
+for port in "$METRICS_PORT_1" "$METRICS_PORT_2"; do
+  scraped=$(curl -fsS "http://127.0.0.1:$port/metrics") || fail "127.0.0.1:$port/metrics"
+  grep -q '^compaction_proxy_requests_total' <<<"$scraped" \
+    || fail "no proxy metrics on 127.0.0.1:$port/metrics"
+done
+status=$(curl -s -o /dev/null -w '%{http_code}' "$lb/metrics")
+[ "$status" = 404 ] || fail "/metrics through the balancer answered $status, expected 404"
+
+# The admin token from the env file; the ledger's two requests, before and after Redis
+# restarts (usage is written in 0.5 s batches: polled, bounded).
+requests() {  # team-a's requests today, from /admin/usage (empty when unreachable)
+  curl -fsS -H "authorization: Bearer $admin_token" "$lb/admin/usage?key=team-a" 2>/dev/null \
+    | python3 -c 'import json,sys; print(sum(r["requests"] for r in json.load(sys.stdin)["data"]))' \
+    2>/dev/null || true
+}
+for _ in $(seq 1 50); do [ "$(requests)" = 2 ] && break; sleep 0.2; done
+[ "$(requests)" = 2 ] || fail "/admin/usage: expected 2 requests for team-a, got '$(requests)'"
+"${compose[@]}" restart redis >"$work/restart.log" 2>&1 || fail "restart redis (see $work/restart.log)"
+for _ in $(seq 1 60); do [ "$(requests)" = 2 ] && break; sleep 0.5; done
+[ "$(requests)" = 2 ] || fail "after a Redis restart: expected 2 requests, got '$(requests)'"
+echo "deploy/check.sh: PASSED: two replicas behind one port share summaries through Redis;" \
+  "metrics per replica; the usage ledger survives a Redis restart"

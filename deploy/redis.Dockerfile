@@ -5,9 +5,15 @@ FROM python:3.11-slim
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends redis-server \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && mkdir -p /data \
+    && chown redis:redis /data
 # The system user the package creates; its uid is picked at install time, so no number here.
 # hadolint ignore=DL3066
 USER redis
+# Quota counters and the usage and spend ledger live here with the summaries: an append-only
+# file (fsync every second) in /data, a volume in compose.yaml, so a restart keeps them.
+VOLUME /data
 EXPOSE 6379
-CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", "--appendonly", "no"]
+CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--dir", "/data", \
+     "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]

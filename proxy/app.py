@@ -32,6 +32,7 @@ from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
 from proxy.redact import redact_url
 from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
+from proxy.startup import startup_fields
 from proxy.state import ProxyState
 from proxy.store import create_store
 from proxy.tokens import TokenCounter
@@ -75,8 +76,8 @@ def create_app(
     client = create_upstream_client(settings.upstream, transport)
     store = create_store(settings.cache)
     metrics = Metrics(store)
-    readiness = readiness_for(settings, client, store, lambda: counter.estimated)
     ledger = create_ledger(settings)
+    readiness = readiness_for(settings, client, store, lambda: counter.estimated, ledger)
     state = ProxyState(
         settings=settings,
         upstream=Upstream(client, settings.upstream),
@@ -91,7 +92,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        log.info("proxying to %s", redact_url(settings.upstream.base_url))
+        upstream = redact_url(settings.upstream.base_url)
+        log.info("proxying to %s", upstream, extra=startup_fields(settings))
         through = proxy_for(client, settings.upstream.base_url)
         if through is not None:
             log.info("upstream requests go through the proxy %s", through)
@@ -154,7 +156,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """200 when every dependency answers; 503 naming the ones that don't (see readiness.py)."""
+    """200 unless a hard dependency is down (503 naming it); soft ones are reported, with
+    status "degraded" (see readiness.py)."""
     readiness: Readiness = request.app.state.readiness
     ready, body = await readiness.report()
     return JSONResponse(body, status_code=200 if ready else 503)

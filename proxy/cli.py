@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     from proxy.usage.command import register_commands as register_usage
 
     register_usage(commands)
+    from proxy.configcommand import register_commands as register_config
+
+    register_config(commands)
+    from proxy.demo import register_commands as register_demo
+
+    register_demo(commands)
     return parser
 
 

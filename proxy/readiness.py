@@ -1,5 +1,13 @@
 """`/readyz`: is each thing a request needs there? Upstream, Redis (when configured), tokenizer.
 
+A dependency is hard or soft. Hard: requests fail without it (the upstream; the quota
+store under `quota.on_redis_error = "closed"`); one that is down makes `/readyz` answer 503,
+so a load balancer takes the replica out. Soft: requests keep flowing without it (the
+summary store, which degrades to "no store"; the quota store under the default fail-open);
+one that is down is reported (`"soft": true`, status `degraded`, named in `failing`) but the
+answer stays 200: Redis going away must not take every replica out of rotation at once.
+`server.readiness_strict = true` treats every dependency as hard.
+
 A load balancer polls this every few seconds on every replica, so each probe's answer is
 kept for `server.readiness_cache_s` and concurrent polls share one probe: an upstream never
 sees more than one probe per replica per period. `/healthz` stays a liveness check (the
@@ -15,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import httpx
 
@@ -68,12 +76,16 @@ class _Cached:
 
 
 class Readiness:
-    """The named checks; `report()` runs them (cached) and says which failed."""
+    """The named checks; `report()` runs them (cached) and says which failed.
+
+    `soft` names the checks whose failure is reported without making the replica unready.
+    """
 
     def __init__(
         self,
         probes: Mapping[str, Probe],
         *,
+        soft: Collection[str] = (),
         cache_s: float = 5.0,
         timeout_s: float = 2.0,
         clock: Clock = time.monotonic,
@@ -81,18 +93,25 @@ class Readiness:
         self.checks = {
             name: _Cached(probe, cache_s, timeout_s, clock) for name, probe in probes.items()
         }
+        self.soft = frozenset(soft)
 
     async def report(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, the JSON body): ready unless a hard check fails."""
         names = list(self.checks)
-        results = await asyncio.gather(*(self.checks[name].get() for name in names))
-        failing = [name for name, result in zip(names, results, strict=True) if not result.ok]
-        body: dict[str, Any] = {
-            "status": "ready" if not failing else "not_ready",
-            "checks": {name: result.as_json() for name, result in zip(names, results, strict=True)},
-        }
+        answers = await asyncio.gather(*(self.checks[name].get() for name in names))
+        results = dict(zip(names, answers, strict=True))
+        failing = [name for name in names if not results[name].ok]
+        blocking = [name for name in failing if name not in self.soft]
+        checks: dict[str, Any] = {}
+        for name in names:
+            checks[name] = results[name].as_json()
+            if name in self.soft:
+                checks[name]["soft"] = True
+        status = "not_ready" if blocking else "degraded" if failing else "ready"
+        body: dict[str, Any] = {"status": status, "checks": checks}
         if failing:
             body["failing"] = failing
-        return not failing, body
+        return not blocking, body
 
 
 def upstream_probe(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Probe:
@@ -115,7 +134,7 @@ def upstream_probe(client: httpx.AsyncClient, base_url: str, timeout_s: float) -
 
 
 class Pingable(Protocol):
-    async def ping(self) -> None: ...
+    def ping(self) -> Awaitable[object]: ...
 
 
 def redis_probe(store: Pingable, where: str) -> Probe:
@@ -132,18 +151,50 @@ def redis_probe(store: Pingable, where: str) -> Probe:
 
 
 def readiness_for(
-    settings: Settings, client: httpx.AsyncClient, store: object, estimated: Callable[[], bool]
+    settings: Settings,
+    client: httpx.AsyncClient,
+    store: object,
+    estimated: Callable[[], bool],
+    ledger: object = None,
 ) -> Readiness:
-    """The checks this configuration calls for: Redis only with `cache.backend = "redis"`."""
+    """The checks this configuration calls for: `redis` (the summary store, soft) with
+    `cache.backend = "redis"`; `quota` (the quota store; soft when it fails open) when the
+    quota ledger is on Redis. `server.readiness_strict` makes every check hard."""
     probes = {
         "upstream": upstream_probe(client, settings.upstream.base_url, _PROBE_TIMEOUT_S),
         "tokenizer": tokenizer_probe(estimated),
     }
+    soft: set[str] = set()
     if settings.cache.backend == "redis" and hasattr(store, "ping"):
         from proxy.store.connect import first_url  # the redis extra is installed: store is one
 
         probes["redis"] = redis_probe(store, redact_url(first_url(settings.cache.redis_url)))
-    return Readiness(probes, cache_s=settings.server.readiness_cache_s, timeout_s=_PROBE_TIMEOUT_S)
+        soft.add("redis")  # a store outage means no reuse, never a failed request
+    quota_redis = _ledger_redis(ledger)
+    if quota_redis is not None:
+        from proxy.store.connect import first_url
+
+        url = settings.quota.redis_url or settings.cache.redis_url
+        probes["quota"] = redis_probe(quota_redis, redact_url(first_url(url)))
+        if settings.quota.on_redis_error == "open":
+            soft.add("quota")
+    return Readiness(
+        probes,
+        soft=() if settings.server.readiness_strict else soft,
+        cache_s=settings.server.readiness_cache_s,
+        timeout_s=_PROBE_TIMEOUT_S,
+    )
+
+
+def _ledger_redis(ledger: object) -> Pingable | None:
+    """What answers PING for a Redis quota ledger: its own `ping`, else its redis-py client's
+    (`RedisLedger.client`); None for the memory ledger."""
+    if getattr(ledger, "name", None) != "redis":
+        return None
+    for candidate in (ledger, getattr(ledger, "client", None)):
+        if callable(getattr(candidate, "ping", None)):
+            return cast(Pingable, candidate)
+    return None
 
 
 def tokenizer_probe(estimated: Callable[[], bool]) -> Probe:

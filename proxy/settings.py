@@ -5,6 +5,7 @@ One pydantic model per TOML section, so a bad value fails at start with the key'
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -12,7 +13,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +67,10 @@ class ServerSettings(Section):
     log_format: Literal["text", "json"] = "text"
     # How long /readyz keeps each dependency's answer (one probe per period, however polled).
     readiness_cache_s: float = Field(5.0, ge=0)
+    # /readyz answers 503 only for a hard dependency (the upstream; the quota store when it
+    # fails closed); a soft one (the summary store, a fail-open quota store) that is down is
+    # reported with status "degraded" and a 200. true: every dependency is hard.
+    readiness_strict: bool = False
     # At start, run the /readyz checks once (kept like any /readyz answer): the upstream probe
     # leaves a pooled connection open, so the first request does not open one. The start waits
     # for it at most this many seconds (then it goes on in the background); 0: no start probe.
@@ -434,14 +439,16 @@ def _env_name_for(loc: Sequence[str], environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def check_environment(environ: Mapping[str, str]) -> None:
+def check_environment(environ: Mapping[str, str], named: Collection[str] = ()) -> None:
     """Every COMPACTION_PROXY_* variable must name a key, and a structured one hold JSON.
 
     pydantic-settings skips variables that match no field, so without this a misspelt section
-    (`COMPACTION_PROXY_SERVR__PORT`) would be silently ignored.
+    (`COMPACTION_PROXY_SERVR__PORT`) would be silently ignored. A variable the configuration
+    names as holding a secret (`named`: `admin.token_env = "COMPACTION_PROXY_ADMIN_TOKEN"`)
+    is no typo, and is let be.
     """
     for name in sorted(environ):
-        if not name.upper().startswith(ENV_PREFIX):
+        if not name.upper().startswith(ENV_PREFIX) or name in named:
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         model: Any = Settings
@@ -475,6 +482,36 @@ def check_environment(environ: Mapping[str, str]) -> None:
                     f"{'.'.join(path[:index])} is a value, not a section"
                 )
             model = section
+
+
+def named_variables(sources: Sequence[object], environ: Mapping[str, str]) -> set[str]:
+    """Names of env vars the configuration says hold something (`*_env` keys: token_env,
+    key_env, upstream_api_key_env), from the file's and the flags' data and from
+    COMPACTION_PROXY_* variables (`..._ENV` ones, and sections given as JSON)."""
+    found: set[str] = set()
+
+    def walk(value: object) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if isinstance(key, str) and key.endswith("_env") and isinstance(item, str):
+                    found.add(item)
+                else:
+                    walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    for source in sources:
+        walk(source)
+    for name, value in environ.items():
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        if name.upper().endswith("_ENV"):
+            found.add(value)
+        elif value.lstrip().startswith(("{", "[")):
+            with contextlib.suppress(ValueError):  # check_environment says what is wrong
+                walk(json.loads(value))
+    return found
 
 
 def _check_json(name: str, value: str) -> None:
@@ -514,7 +551,7 @@ def load_settings(
         ) -> tuple[PydanticBaseSettingsSource, ...]:
             return (init_settings, env_settings, InitSettingsSource(settings_cls, toml_data))
 
-    check_environment(os.environ)
+    check_environment(os.environ, named_variables([toml_data, cli_overrides], os.environ))
     try:
         loaded = _FromFile(**(cli_overrides or {}))
     except ValidationError as exc:

@@ -27,6 +27,7 @@ async def open_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:
         yield client
     await app.state.proxy.upstream.client.aclose()
     await app.state.proxy.compactor.store.close()
+    await app.state.proxy.quotas.ledger.close()
 
 
 @pytest.fixture
@@ -133,9 +134,11 @@ def private_redis() -> Iterator[PrivateRedis]:
         server.stop()
 
 
-async def test_redis_down_is_503_naming_it_and_200_when_back(
+async def test_summary_store_down_is_reported_but_the_replica_stays_ready(
     upstream: respx.MockRouter, private_redis: PrivateRedis
 ) -> None:
+    # The summary store fails open (requests go on without reuse): an orchestrator that took
+    # every replica out when Redis went away would turn a degraded service into an outage.
     upstream.get("/models").respond(200, json={"data": []})
     sections: dict[str, Any] = {
         "server": {"readiness_cache_s": 0},
@@ -144,13 +147,47 @@ async def test_redis_down_is_503_naming_it_and_200_when_back(
     async for client in open_client(**sections):
         up = await client.get("/readyz")
         assert up.status_code == 200, up.text
+        assert up.json()["status"] == "ready"
+        assert up.json()["checks"]["redis"] == {
+            "ok": True,
+            "url": f"redis://***@127.0.0.1:{private_redis.port}/0",
+            "soft": True,
+        }
+
+        private_redis.stop()
+        down = await client.get("/readyz")
+        assert down.status_code == 200, down.text
+        body = down.json()
+        # The quota store (quota.backend "auto": the same Redis) fails open by default: soft.
+        assert body["status"] == "degraded" and body["failing"] == ["redis", "quota"]
+        for name in ("redis", "quota"):
+            assert body["checks"][name]["ok"] is False and body["checks"][name]["soft"] is True
+        assert PASSWORD not in down.text
+
+        private_redis.start()
+        back = await client.get("/readyz")
+        assert back.status_code == 200 and back.json()["status"] == "ready", back.text
+
+
+async def test_strict_readiness_makes_redis_down_a_503_naming_it_and_200_when_back(
+    upstream: respx.MockRouter, private_redis: PrivateRedis
+) -> None:
+    upstream.get("/models").respond(200, json={"data": []})
+    sections: dict[str, Any] = {
+        "server": {"readiness_cache_s": 0, "readiness_strict": True},
+        "cache": {"backend": "redis", "redis_url": private_redis.url},
+    }
+    async for client in open_client(**sections):
+        up = await client.get("/readyz")
+        assert up.status_code == 200, up.text
         assert up.json()["checks"]["redis"]["ok"] is True
+        assert "soft" not in up.json()["checks"]["redis"]  # strict: nothing is soft
 
         private_redis.stop()
         down = await client.get("/readyz")
         assert down.status_code == 503
         body = down.json()
-        assert body["failing"] == ["redis"]
+        assert body["status"] == "not_ready" and body["failing"] == ["redis", "quota"]
         assert body["checks"]["redis"]["ok"] is False
         assert f"127.0.0.1:{private_redis.port}" in body["checks"]["redis"]["url"]
         assert PASSWORD not in down.text
@@ -158,3 +195,37 @@ async def test_redis_down_is_503_naming_it_and_200_when_back(
         private_redis.start()
         back = await client.get("/readyz")
         assert back.status_code == 200, back.text
+
+
+@pytest.mark.parametrize(
+    ("on_redis_error", "status", "state"), [("open", 200, "degraded"), ("closed", 503, "not_ready")]
+)
+async def test_the_quota_store_is_soft_when_it_fails_open_and_hard_when_closed(
+    upstream: respx.MockRouter,
+    private_redis: PrivateRedis,
+    on_redis_error: str,
+    status: int,
+    state: str,
+) -> None:
+    upstream.get("/models").respond(200, json={"data": []})
+    sections: dict[str, Any] = {
+        "server": {"readiness_cache_s": 0},
+        "quota": {
+            "backend": "redis",
+            "redis_url": private_redis.url,
+            "on_redis_error": on_redis_error,
+        },
+    }
+    async for client in open_client(**sections):
+        up = await client.get("/readyz")
+        assert up.status_code == 200, up.text
+        assert up.json()["checks"]["quota"]["ok"] is True
+        assert "redis" not in up.json()["checks"]  # the summary store is in memory here
+
+        private_redis.stop()
+        down = await client.get("/readyz")
+        assert down.status_code == status, down.text
+        body = down.json()
+        assert body["status"] == state and body["failing"] == ["quota"]
+        assert body["checks"]["quota"].get("soft", False) is (on_redis_error == "open")
+        assert PASSWORD not in down.text

@@ -4,7 +4,8 @@
 
 `make_app(**sections)` builds the proxy with test defaults (fake upstream URL, small budget,
 memory store, tokenizer from the offline package); `FakeOpenAI` is the upstream (on a respx
-router or served as an ASGI app); `CompactionReport.from_headers` reads what the proxy did.
+router or served as an ASGI app); `CompactionReport.from_headers` reads what the proxy did;
+`serve(app)` puts an app on a real socket of 127.0.0.1, for clients the test does not build.
 The pytest plugin (`-p compaction_proxy`) wires them into fixtures.
 """
 
@@ -19,6 +20,7 @@ from proxy.testing.fake_openai import (
     ToolCall,
 )
 from proxy.testing.report import CompactionReport
+from proxy.testing.serve import serve
 
 __all__ = [
     "FAKE_SUMMARY_PREFIX",
@@ -32,4 +34,5 @@ __all__ = [
     "ToolCall",
     "make_app",
     "make_settings",
+    "serve",
 ]

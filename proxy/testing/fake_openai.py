@@ -25,15 +25,17 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import httpx
-import respx
 from starlette.types import Receive, Scope, Send
 
 from proxy.compaction.prompt import SYSTEM_PROMPT
 from proxy.testing.app import FAKE_UPSTREAM, load_offline_tokenizer, make_settings
 from proxy.tokens import TokenCounter
+
+if TYPE_CHECKING:  # respx is needed to mock, not to serve (`compaction-proxy fake-upstream`)
+    import respx
 
 FAKE_SUMMARY_PREFIX = "FAKE SUMMARY"
 DEFAULT_REPLY = "Hello from the fake upstream."
@@ -199,6 +201,8 @@ class FakeOpenAI:
     @contextmanager
     def mock(self) -> Iterator[respx.MockRouter]:
         """A respx mock (httpx's transports patched) with this fake registered, as `router`."""
+        import respx
+
         with respx.mock(assert_all_called=False) as router:
             self.register(router)
             self.router = router

@@ -11,6 +11,9 @@ fake_openai       the FakeOpenAI upstream, mocked with respx for the test's dura
 proxy_app         the proxy app (lifespan running), pointed at fake_openai
 proxy_client      an httpx.AsyncClient over ASGI to the app (base URL http://proxy.test)
 openai_client     an openai.AsyncOpenAI wired to the app in-process (base URL .../v1)
+served_proxy_url  the app served on 127.0.0.1 (a thread), its /v1 URL: for code that makes
+                  its own client (OPENAI_BASE_URL), sync or async
+sync_openai_client  an openai.OpenAI (the sync client) pointed at served_proxy_url
 compaction_proxy_settings  the Settings: test defaults + the `compaction_proxy` markers
 """
 
@@ -28,6 +31,7 @@ from starlette.applications import Starlette
 from proxy.settings import Settings
 from proxy.testing.app import make_app, make_settings, merge
 from proxy.testing.fake_openai import FakeOpenAI
+from proxy.testing.serve import serve
 
 if TYPE_CHECKING:
     import openai
@@ -101,3 +105,30 @@ def _sdk_asgi_transport(openai: Any, app: Starlette) -> Any:
         if base.__name__ == "AsyncClient" and not base.__module__.startswith("openai"):
             return importlib.import_module(base.__module__.split(".")[0]).ASGITransport(app=app)
     return httpx.ASGITransport(app=app)
+
+
+@pytest.fixture
+def served_proxy_url(
+    fake_openai: FakeOpenAI, compaction_proxy_settings: Settings
+) -> Iterator[str]:
+    """The proxy on a real socket of 127.0.0.1, in front of `fake_openai`: its /v1 URL.
+
+    Synchronous: for code that builds its own client (`OpenAI()` with OPENAI_BASE_URL set to
+    this, `requests`, a subprocess), and for tests without an event loop.
+    """
+    app = make_app(compaction_proxy_settings)
+    with serve(app) as url:
+        if fake_openai.router is not None:  # a client on httpx would be mocked too: let it by
+            fake_openai.router.route(url__startswith=url).pass_through()
+        yield f"{url}/v1"
+
+
+@pytest.fixture
+def sync_openai_client(served_proxy_url: str) -> Iterator[openai.OpenAI]:
+    """An `openai.OpenAI` (the synchronous client) to the served proxy."""
+    try:
+        import openai
+    except ImportError:
+        pytest.fail("the sync_openai_client fixture needs the openai package: pip install openai")
+    with openai.OpenAI(base_url=served_proxy_url, api_key=API_KEY, max_retries=0) as client:
+        yield client

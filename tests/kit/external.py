@@ -11,13 +11,13 @@ REPO = Path(__file__).resolve().parents[2]
 README_SECTION = "## Testing your application with compaction-proxy"
 
 
-def readme_example() -> str:
-    """The first Python code block of the README's testing section."""
+def readme_example(index: int = 0) -> str:
+    """A Python code block of the README's testing section (the first by default)."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split(README_SECTION, 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert match is not None, "the README's testing section has no python block"
-    return match.group(1)
+    section = text.split(README_SECTION, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    assert len(blocks) > index, "the README's testing section has too few python blocks"
+    return str(blocks[index])
 
 
 def run_pytest(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,13 @@ def project(tmp_path: Path) -> Path:
 
 def test_the_readme_example_passes_with_the_plugin_opted_in(project: Path) -> None:
     done = run_pytest(sys.executable, project, "-p", "compaction_proxy")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+
+
+def test_the_readmes_sync_client_example_passes(tmp_path: Path) -> None:
+    (tmp_path / "test_sync_example.py").write_text(readme_example(1), encoding="utf-8")
+    done = run_pytest(sys.executable, tmp_path, "-p", "compaction_proxy")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
 
@@ -55,3 +63,47 @@ def test_without_opting_in_the_plugin_registers_nothing(project: Path) -> None:
     for name in ("fake_openai", "proxy_app", "proxy_client", "openai_client", "compaction_proxy"):
         assert name not in available
     assert "Unknown pytest.mark.compaction_proxy" in done.stdout  # no marker registered either
+
+
+def test_without_opting_in_a_kit_fixture_error_says_how_to_opt_in(project: Path) -> None:
+    done = run_pytest(sys.executable, project)
+    assert done.returncode != 0
+    # Under the error itself, and once more in the run's summary.
+    assert "- compaction-proxy -" in done.stdout, done.stdout
+    assert "openai_client: a fixture of compaction-proxy's testing kit" in done.stdout
+    assert "pytest -p compaction_proxy" in done.stdout
+    assert 'pytest_plugins = ["proxy.testing.plugin"]' in done.stdout
+    summary = done.stdout.split("= compaction-proxy =", 1)[1]
+    assert "openai_client" in summary
+
+
+OTHER_MISSING = """
+import pytest
+
+@pytest.fixture
+def openai_client():
+    return "the project's own"
+
+def test_own_fixture(openai_client):
+    assert openai_client == "the project's own"
+
+def test_missing(no_such_fixture):
+    pass
+"""
+
+
+def test_the_hint_leaves_other_fixtures_and_a_projects_own_alone(tmp_path: Path) -> None:
+    (tmp_path / "test_own.py").write_text(OTHER_MISSING)
+    done = run_pytest(sys.executable, tmp_path)
+    assert "1 passed, 1 error" in done.stdout, done.stdout
+    assert "fixture 'no_such_fixture' not found" in done.stdout
+    assert "compaction-proxy" not in done.stdout
+
+
+def test_the_hint_knows_every_fixture_the_plugin_defines(tmp_path: Path) -> None:
+    from proxy.pytest_entry import KIT_FIXTURES
+
+    done = run_pytest(sys.executable, tmp_path, "-p", "compaction_proxy", "--fixtures")
+    section = done.stdout.split("fixtures defined from proxy.testing.plugin", 1)[1]
+    defined = set(re.findall(r"^(\w+) -- ", section.split("\n--", 1)[0], re.MULTILINE))
+    assert defined == KIT_FIXTURES

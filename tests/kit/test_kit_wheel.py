@@ -75,3 +75,8 @@ def test_the_wheel_installs_an_opt_in_plugin_into_a_fresh_venv(tmp_path: Path) -
     left_out = run_pytest(str(python), project)
     assert left_out.returncode != 0
     assert "fixture 'openai_client' not found" in left_out.stdout, left_out.stdout
+    assert "pytest -p compaction_proxy" in left_out.stdout  # and how to opt in
+
+    # The example configuration is in the wheel: an install without a checkout can start.
+    example = run(venv / "bin" / "compaction-proxy", "config", "example", cwd=tmp_path)
+    assert example == (REPO / "config" / "proxy.example.toml").read_text(encoding="utf-8")
