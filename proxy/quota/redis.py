@@ -2,9 +2,11 @@
 
 Every key of one proxy key id carries the hash tag `{<id>}`, so on a Redis Cluster they
 share a slot and the charge script (read every counter, decide, increment) runs atomically
-on one node: a charge is one EVALSHA, one round trip (redis-py's registered script loads
-the script and sends it again when Redis answers NOSCRIPT). `record` (off the hot path: the
-meter's batch) is one script beside the key's counters, then one SADD to the key index.
+on one node: a charge is one EVALSHA, one round trip (the script is loaded and the command
+sent again when Redis answers NOSCRIPT, as redis-py's registered scripts do). Charges asked
+for at the same time (in one event-loop iteration) share that round trip: they go out as
+one pipeline, each script still run on its own. `record` (off the hot path: the meter's
+batch) is one script beside the key's counters, then one SADD to the key index.
 
 A charge is idempotent: each carries an id, and the script keeps its result under
 `<prefix>{<id>}:charge:<charge id>` (same slot) for `_CHARGE_TTL_S`. Resent with the same id
@@ -28,18 +30,19 @@ waiting on a timeout per request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from proxy.quota.ledger import (
     USAGE_FIELDS,
@@ -126,6 +129,9 @@ _MONTH_TTL_S = 32 * 86400
 _CHARGE_TTL_S = 60  # a charge's stored result: longer than any timeout plus one resend
 _SEP = "\n"  # between model and field in a usage hash (model names never hold one)
 
+# A charge waiting to be sent: its script's keys and arguments, and where its result goes.
+_Queued = tuple[list[str], list[int], "asyncio.Future[Any]"]
+
 
 def _charge_of(result: bytes | str) -> Charge:
     """The charge script's result: `["<denial or empty>", requests, tokens per minute, tokens
@@ -164,6 +170,9 @@ class RedisLedger:
         # Charge ids: random per ledger, then counted: unique across replicas and restarts.
         self._id_prefix = os.urandom(12).hex()
         self._ids = itertools.count()
+        # Charges waiting to go out together (see `_queued`), and the task sending them.
+        self._queue: list[_Queued] = []
+        self._senders: set[asyncio.Task[None]] = set()
 
     def key(self, key_id: str, *parts: str) -> str:
         return ":".join([f"{self.prefix}{{{key_id}}}", *parts])
@@ -222,8 +231,59 @@ class RedisLedger:
             _DAY_TTL_S,
             _CHARGE_TTL_S,
         ]
-        result = await self._guarded(lambda: self._charge(keys=keys, args=args))
-        return _charge_of(result)
+        if self._clock() < self._retry_at:
+            raise LedgerUnavailable(self.last_error or "redis unavailable")
+        return _charge_of(await self._queued(keys, args))
+
+    def _queued(self, keys: list[str], args: list[int]) -> asyncio.Future[Any]:
+        """The charge script's result, from Redis. Charges asked for in the same event-loop
+        iteration (concurrent requests) go out together as one pipeline: one write and one
+        read for all of them, instead of a pooled connection and a round trip each. Redis
+        still runs each script on its own, atomically, so limits stay exact."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((keys, args, future))
+        if len(self._queue) == 1:  # the first: the rest of this iteration's join it
+            task = loop.create_task(self._send_queued())
+            self._senders.add(task)
+            task.add_done_callback(self._senders.discard)
+        return future
+
+    async def _send_queued(self) -> None:
+        queue, self._queue = self._queue, []
+        try:
+            results = await self._guarded(lambda: self._run_charges(queue))
+        except BaseException as exc:  # (cancelled at shutdown too: nobody may wait forever)
+            failure = exc if isinstance(exc, LedgerUnavailable) else LedgerUnavailable(repr(exc))
+            for *_, future in queue:
+                if not future.done():
+                    future.set_exception(failure)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (*_, future), result in zip(queue, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+    async def _run_charges(self, queue: list[_Queued]) -> list[Any]:
+        if len(queue) == 1:  # alone: the registered script's own call
+            keys, args, _ = queue[0]
+            return [await self._charge(keys=keys, args=args)]
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args, _ in queue:
+                pipe.evalsha(self._charge.sha, len(keys), *keys, *args)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                # Redis forgot the script (a restart, SCRIPT FLUSH): loaded, and the charges
+                # sent again, as the registered script does for one (none of them ran).
+                await self.client.script_load(self._charge.script)
+                continue
+            break
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results
 
     async def record(
         self,

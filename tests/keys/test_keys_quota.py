@@ -343,7 +343,11 @@ async def test_concurrent_charges_stay_exact_across_replicas(
     assert all(replica.state.quotas.ledger.errors == 0 for replica in replicas)
 
 
-async def test_a_charge_after_redis_forgot_the_script_loads_it_again(redis_prefix: str) -> None:
+@pytest.mark.parametrize("together", [1, 5], ids=["alone", "pipelined"])
+async def test_a_charge_after_redis_forgot_the_script_loads_it_again(
+    redis_prefix: str, together: int
+) -> None:
+    """Alone (the registered script's own call) or with others in one pipeline."""
     from redis.asyncio import Redis
 
     from proxy.auth.keys import Limits
@@ -356,8 +360,10 @@ async def test_a_charge_after_redis_forgot_the_script_loads_it_again(redis_prefi
     ledger._charge = client.register_script(f"{_CHARGE_LUA}\n-- {redis_prefix}")
     try:
         limits = LimitArgs.of(Limits(requests_per_minute=5))
-        charge = await ledger.charge("k", limits, 0, windows_at(1_800_000_010.0))
-        assert (charge.denied, charge.requests, ledger.errors) == (None, 1, 0)
+        w = windows_at(1_800_000_010.0)
+        charges = await asyncio.gather(*(ledger.charge("k", limits, 0, w) for _ in range(together)))
+        assert sorted(charge.requests for charge in charges) == list(range(1, together + 1))
+        assert all(charge.denied is None for charge in charges) and ledger.errors == 0
     finally:
         await ledger.close()
 
