@@ -9,7 +9,7 @@ and Redis (any number of replicas, single node or cluster).
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
@@ -120,10 +120,11 @@ class Ledger(Protocol):
     name: str  # "memory" | "redis"
     errors: int  # backend failures so far
     # Whether a charge waits on a server. Such a charge may be in flight when its request
-    # is given up, so `Quotas` runs it as a task of its own, which settles it all the same.
+    # is given up: `Quotas` then leaves it running (a task of its own, unless it is a
+    # future already), so it is settled all the same.
     remote: bool
 
-    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
+    def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Awaitable[Charge]:
         """Check `limits` and, if none is exceeded, count one request of `tokens` forwarded
         prompt tokens, atomically. `w`: the windows of the request's time. Raises
         LedgerUnavailable when the backend cannot answer."""

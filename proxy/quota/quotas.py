@@ -82,7 +82,7 @@ class Quotas:
         self.failed_open = 0  # requests let through unmetered while the ledger was down
         self.rejected = 0
         self._log = RateLimitedLog(log)
-        self._settling: set[asyncio.Task[Charge]] = set()  # charges of requests given up
+        self._settling: set[asyncio.Future[Charge]] = set()  # charges of requests given up
 
     def counts_tokens(self, key: ProxyKey | None) -> bool:
         """Does this key's quota need the request's prompt tokens?"""
@@ -120,8 +120,9 @@ class Quotas:
         return Verdict(counted=True, headers=rate_limit_headers(limits, charge, w, _REPLY_NAMES))
 
     async def _settled(self, charging: Awaitable[Charge], given_up: GivenUp | None) -> Charge:
-        """The ledger's answer, from a task of its own: a cancelled caller leaves it running,
-        so a charge sent is settled as the ledger decides, and `given_up` hears how."""
+        """The ledger's answer, from a future of its own (a task, if the ledger gave a
+        coroutine): a cancelled caller leaves it running, so a charge sent is settled as
+        the ledger decides, and `given_up` hears how."""
         task = asyncio.ensure_future(charging)
         try:
             return await asyncio.shield(task)
@@ -130,7 +131,7 @@ class Quotas:
             task.add_done_callback(functools.partial(self._settle, given_up))
             raise
 
-    def _settle(self, given_up: GivenUp | None, task: asyncio.Task[Charge]) -> None:
+    def _settle(self, given_up: GivenUp | None, task: asyncio.Future[Charge]) -> None:
         self._settling.discard(task)
         counted = not task.cancelled() and task.exception() is None and task.result().denied is None
         if given_up is not None:

@@ -130,7 +130,7 @@ _CHARGE_TTL_S = 60  # a charge's stored result: longer than any timeout plus one
 _SEP = "\n"  # between model and field in a usage hash (model names never hold one)
 
 # A charge waiting to be sent: its script's keys and arguments, and where its result goes.
-_Queued = tuple[list[str], list[int], "asyncio.Future[Any]"]
+_Queued = tuple[list[str], list[int], "asyncio.Future[Charge]"]
 
 
 def _charge_of(result: bytes | str) -> Charge:
@@ -170,7 +170,7 @@ class RedisLedger:
         # Charge ids: random per ledger, then counted: unique across replicas and restarts.
         self._id_prefix = os.urandom(12).hex()
         self._ids = itertools.count()
-        # Charges waiting to go out together (see `_queued`), and the task sending them.
+        # Charges waiting to go out together (see `charge`), and the task sending them.
         self._queue: list[_Queued] = []
         self._senders: set[asyncio.Task[None]] = set()
 
@@ -199,7 +199,7 @@ class RedisLedger:
             self._retry_at = self._clock() + self._retry_after_s
             raise LedgerUnavailable(self.last_error) from exc
 
-    async def charge(
+    def charge(
         self,
         key_id: str,
         limits: LimitArgs,
@@ -207,9 +207,15 @@ class RedisLedger:
         w: Windows,
         *,
         charge_id: str | None = None,
-    ) -> Charge:
-        """`charge_id`: the same for every resend of one request's charge (made here if
-        None); a second charge with an id already seen returns the first one's result."""
+    ) -> asyncio.Future[Charge]:
+        """The charge's result, to come: it goes to Redis with the others asked for in this
+        event-loop iteration (concurrent requests), as one pipeline: one write and one read
+        for all of them, instead of a pooled connection and a round trip each. Redis still
+        runs each script on its own, atomically, so limits stay exact. The future is the
+        ledger's own: a caller that stops waiting does not stop the charge.
+
+        `charge_id`: the same for every resend of one request's charge (made here if None);
+        a second charge with an id already seen returns the first one's result."""
         if charge_id is None:
             charge_id = f"{self._id_prefix}{next(self._ids):016x}"
         keys = [
@@ -231,17 +237,11 @@ class RedisLedger:
             _DAY_TTL_S,
             _CHARGE_TTL_S,
         ]
-        if self._clock() < self._retry_at:
-            raise LedgerUnavailable(self.last_error or "redis unavailable")
-        return _charge_of(await self._queued(keys, args))
-
-    def _queued(self, keys: list[str], args: list[int]) -> asyncio.Future[Any]:
-        """The charge script's result, from Redis. Charges asked for in the same event-loop
-        iteration (concurrent requests) go out together as one pipeline: one write and one
-        read for all of them, instead of a pooled connection and a round trip each. Redis
-        still runs each script on its own, atomically, so limits stay exact."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future: asyncio.Future[Charge] = loop.create_future()
+        if self._clock() < self._retry_at:
+            future.set_exception(LedgerUnavailable(self.last_error or "redis unavailable"))
+            return future
         self._queue.append((keys, args, future))
         if len(self._queue) == 1:  # the first: the rest of this iteration's join it
             task = loop.create_task(self._send_queued())
@@ -253,6 +253,7 @@ class RedisLedger:
         queue, self._queue = self._queue, []
         try:
             results = await self._guarded(lambda: self._run_charges(queue))
+            charges = [_charge_of(result) for result in results]
         except BaseException as exc:  # (cancelled at shutdown too: nobody may wait forever)
             failure = exc if isinstance(exc, LedgerUnavailable) else LedgerUnavailable(repr(exc))
             for *_, future in queue:
@@ -261,9 +262,9 @@ class RedisLedger:
             if not isinstance(exc, Exception):
                 raise
             return
-        for (*_, future), result in zip(queue, results, strict=True):
+        for (*_, future), charge in zip(queue, charges, strict=True):
             if not future.done():
-                future.set_result(result)
+                future.set_result(charge)
 
     async def _run_charges(self, queue: list[_Queued]) -> list[Any]:
         if len(queue) == 1:  # alone: the registered script's own call
