@@ -9,6 +9,7 @@ and Redis (any number of replicas, single node or cluster).
 from __future__ import annotations
 
 import datetime as dt
+import operator
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
@@ -48,7 +49,8 @@ class UsageCounts(NamedTuple):
     estimated_requests: int = 0  # replies without the upstream's usage: our own counts
 
     def plus(self, other: UsageCounts) -> UsageCounts:
-        return UsageCounts(*[mine + theirs for mine, theirs in zip(self, other, strict=True)])
+        """Field by field."""
+        return UsageCounts._make(map(operator.add, self, other))
 
     @classmethod
     def total(cls, many: Iterable[UsageCounts]) -> UsageCounts:

@@ -18,8 +18,8 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from types import MappingProxyType
+from typing import Literal, NamedTuple
 
 from proxy.auth.keys import Limits, ProxyKey
 from proxy.errors import ProxyError
@@ -34,8 +34,7 @@ log = logging.getLogger("proxy.quota")
 GivenUp = Callable[[bool], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(NamedTuple):
     """A request's quota verdict. Allowed (`refusal` is None): the request may go, and
     `headers` are the key's remaining quota for its reply. Refused: `refusal` is the answer
     instead (429 over a limit; 503 when the ledger is down and on_redis_error = "closed").
@@ -45,7 +44,7 @@ class Verdict:
     ledger is down."""
 
     counted: bool
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = MappingProxyType({})
     refusal: ProxyError | None = None
 
 

@@ -302,9 +302,10 @@ def whole_usage(body: bytes, headers: httpx.Headers) -> ReportedUsage | None:
 
 
 def content_encoding(headers: httpx.Headers) -> str:
-    """The reply's content-encoding ("" if none; several are joined by ", ")."""
-    encoding: str = headers.get("content-encoding", "")
-    return encoding
+    """The reply's content-encoding ("" if none; several are joined by ", ", as
+    `headers.get` joins them, without the KeyError `get` raises and catches when, as
+    usual, the reply has none)."""
+    return ", ".join(headers.get_list("content-encoding"))
 
 
 class ChatTap:
