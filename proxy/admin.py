@@ -70,7 +70,7 @@ async def admin_usage(request: Request) -> Response:
             code="usage_unavailable",
         ).response()  # fmt: skip
     rows = [row for row in rows if model is None or row.model == model]
-    total_cost = sum(row.counts.get("cost_nano_usd", 0) for row in rows) / NANO
+    total_cost = sum(row.counts.cost_nano_usd for row in rows) / NANO
     return JSONResponse(
         {
             "object": "list",

@@ -1,11 +1,13 @@
 """POST /v1/chat/completions: the request path, top to bottom.
 
-read body -> check it -> count its tokens -> compaction step -> forward -> relay the reply.
+read body -> check it -> count its tokens -> compaction step -> quota verdict -> forward ->
+relay the reply.
 Each step is a call into the module that owns it; this file is only the order of things.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -18,7 +20,6 @@ from proxy.compaction.protocol import Spend
 from proxy.compactor import Control, model_of
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
-from proxy.headers import RawHeaders
 from proxy.jsonspans import Parsed, Spans
 from proxy.report import PASSTHROUGH
 from proxy.settings import Settings
@@ -38,7 +39,7 @@ async def chat_completions(request: Request) -> Response:
         parsed: Parsed,
         scope: str | None,
         tap: ChatTap | None,
-    ) -> tuple[httpx.Response, RawHeaders]:
+    ) -> tuple[httpx.Response, Mapping[str, str]]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
         outcome = exchange.compacted(
             await state.compactor.run(
@@ -57,20 +58,15 @@ async def chat_completions(request: Request) -> Response:
             tokens = await state.counter.acount_request(body)
         if tap is not None:
             tap.outcome = outcome
-        # Sent now: the upstream request is made while the ledger answers, and sent after.
-        charging = exchange.charge(caller.key, tokens or 0, tap)
-        try:
-            if outcome.messages is not None:
-                content = reencode(body, outcome.messages, content, parsed.spans)
-            headers = exchange.upstream_headers()
-        except BaseException:
-            if charging is not None:
-                charging.abandon()
-            raise
+        verdict = await exchange.charge(caller.key, tokens or 0)
+        if verdict.refusal is not None:
+            raise verdict.refusal
+        if outcome.messages is not None:
+            content = reencode(body, outcome.messages, content, parsed.spans)
         response = await exchange.open(
-            "POST", "chat/completions", headers=headers, content=content, clearance=charging
+            "POST", "chat/completions", headers=exchange.upstream_headers(), content=content
         )
-        return response, charging.headers if charging is not None else []
+        return response, verdict.headers
 
     try:
         caller = exchange.admit()
@@ -95,7 +91,7 @@ async def chat_completions(request: Request) -> Response:
             tap = exchange.usage = state.meter.tap(
                 caller.key.id, model, PASSTHROUGH, hide_usage=hide_usage, spend=Spend()
             )
-        response, quota = await exchange.guard(
+        response, quota_headers = await exchange.guard(
             lambda: compact_and_forward(body, content, caller, control, parsed, scope, tap)
         )
         if memo is None:  # (a kept body's messages are the memo's, and freed with it)
@@ -106,10 +102,8 @@ async def chat_completions(request: Request) -> Response:
     except ClientDisconnected:
         exchange.unanswered(sent=True)
         return exchange.disconnected()
-    headers = exchange.compaction_headers()
-    if tap is None:
-        return await exchange.relay(response, headers)
-    return await exchange.relay(response, headers, tap, raw_headers=quota)
+    headers = {**exchange.compaction_headers(), **quota_headers}
+    return await exchange.relay(response, headers, tap)
 
 
 def compacts(request: Request, caller: Caller, settings: Settings) -> bool:

@@ -7,13 +7,15 @@ gone out or the client has left. A record is a handful of slots filled in place:
 object per request, nothing to build or copy until a sink reads it.
 
 `Exchange` is what every route handler shares: the app's state, the client's headers, the
-request id, the upstream call (with its status and time to first byte noted on the record),
-error envelopes, and the 499 for a client that went away. Policy stays where it lives
-(compactor, headers, upstream); this module only carries the request through it.
+request id, the quota verdict and the usage the request is accounted under, the upstream
+call (with its status and time to first byte noted on the record), error envelopes, and the
+499 for a client that went away. Policy stays where it lives (compactor, quotas, headers,
+upstream); this module only carries the request through it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -28,11 +30,10 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.auth import Caller, ProxyKey
-from proxy.clearance import Clearance
 from proxy.disconnect import DisconnectWatch
 from proxy.errors import ProxyError
 from proxy.headers import REQUEST_ID, Headers, client_headers_of
-from proxy.quota.quotas import Charging
+from proxy.quota.quotas import Verdict
 from proxy.report import PASSTHROUGH, Outcome
 from proxy.state import ProxyState
 from proxy.upstream import ReplyTap, RequestContent
@@ -163,9 +164,8 @@ class Exchange:
     """A route handler's view of its request. Build one at the top of the handler."""
 
     __slots__ = (
-        "_charging",
-        "_clearance",
         "_opened",
+        "_settling",
         "_watch",
         "caller",
         "client_headers",
@@ -175,6 +175,7 @@ class Exchange:
         "request_id",
         "state",
         "usage",
+        "verdict",
     )
 
     def __init__(self, request: Request) -> None:
@@ -190,9 +191,10 @@ class Exchange:
         self.outcome: Outcome | None = None
         self.caller: Caller | None = None
         self._watch: DisconnectWatch | None = None
-        self._opened = False  # `open` was called
-        self._clearance: Clearance | None = None  # its clearance, if any
-        self._charging: Charging | None = None  # the quota charge made by `charge`
+        self._opened = False  # `open` was called: the request was let go upstream
+        self.verdict: Verdict | None = None  # the quota's, once `charge` has it
+        # Given up while its charge was on its way: the charge's settlement tells `usage`.
+        self._settling = False
         self.usage: UsageTap | None = None  # the usage the request is accounted under
 
     def admit(self) -> Caller:
@@ -234,6 +236,22 @@ class Exchange:
         caller = self.caller if self.caller is not None else self.admit()
         return caller.upstream_headers(self.client_headers, self.request_id)
 
+    async def charge(self, key: ProxyKey | None, tokens: int) -> Verdict:
+        """The request's quota verdict for `tokens` forwarded prompt tokens (see
+        Quotas.charge), kept for `unanswered`. Awaited before `open`: nothing goes upstream
+        before the quota has said yes. Given up while the verdict is on its way, the charge
+        is settled all the same and `usage` is told whether it counted the request."""
+        usage = self.usage
+        try:
+            verdict = await self.state.quotas.charge(
+                key, tokens, given_up=None if usage is None else usage.given_up
+            )
+        except asyncio.CancelledError:
+            self._settling = True
+            raise
+        self.verdict = verdict
+        return verdict
+
     async def open(
         self,
         method: str,
@@ -241,70 +259,38 @@ class Exchange:
         *,
         headers: Headers,
         content: RequestContent | None,
-        clearance: Clearance | None = None,
     ) -> httpx.Response:
-        """Send upstream (the client's query string kept); noting status and time to headers.
-        With `clearance` (a quota charge on its way), the request is built while it is
-        waited for and only sent once it clears (see proxy.transport.Clearance)."""
+        """Send upstream (the client's query string kept); noting status and time to headers."""
         record = self.record
-        self._clearance = clearance
         self._opened = True
         sent = time.perf_counter()
         record.overhead_s = sent - record.started
-        try:
-            response = await self.state.upstream.open(
-                method,
-                path,
-                headers=headers,
-                content=content,
-                query=self.request.scope.get("query_string", b""),
-                clearance=clearance,
-            )
-        finally:
-            # The request went out when its clearance cleared (refused: it never did).
-            if clearance is not None and clearance.cleared_at > 0.0:
-                sent = clearance.cleared_at
-                record.overhead_s = sent - record.started
+        response = await self.state.upstream.open(
+            method,
+            path,
+            headers=headers,
+            content=content,
+            query=self.request.scope.get("query_string", b""),
+        )
         record.upstream_status = response.status_code
         record.upstream_ttfb_s = time.perf_counter() - sent
         return response
 
-    def charge(self, key: ProxyKey | None, tokens: int, usage: UsageTap | None) -> Charging | None:
-        """The request's quota charge, sent now (see Quotas.charge; None: nothing to charge),
-        and `usage`, the usage the request is accounted under: told how a charge settled
-        when the request was given up before its verdict came back."""
-        self.usage = usage
-        charging = self._charging = self.state.quotas.charge(
-            key, tokens, None if usage is None else usage.given_up
-        )
-        return charging
-
     def unanswered(self, *, sent: bool) -> None:
         """The request ended without a reply (an error, or the client left): its usage, so
-        that a key's usage counts every request its quota counted. Let go upstream (see
-        `forwarded`): one request however it ended (`sent`: the upstream may have it and
-        bill its prompt; see ChatTap.unanswered). Not let go: only what its compaction step
-        spent, unless its charge is still settling (then that settlement records it)."""
+        that a key's usage counts every request its quota counted. Let go upstream (`open`
+        was called): one request however it ended (`sent`: the upstream may have it and
+        bill its prompt; see ChatTap.unanswered). Not let go: one request with no tokens if
+        its charge counted it, else only what its compaction step spent; a charge still on
+        its way when the request was given up tells usage itself once it settles."""
         usage = self.usage
-        if usage is None:
+        if usage is None or self._settling:
             return
-        if self.forwarded:
+        if self._opened:
             usage.unanswered(sent)
             return
-        charging = self._charging
-        if charging is None or not charging.settling:
-            usage.given_up(False)
-
-    @property
-    def forwarded(self) -> bool:
-        """The upstream request was let go: `open` was called and its clearance (a quota
-        charge) cleared, so the charge counted it, whether or not it then reached the
-        upstream. False before `open`, or when the clearance refused or was never waited
-        for."""
-        if not self._opened:
-            return False
-        clearance = self._clearance
-        return clearance is None or clearance.cleared_at > 0.0
+        verdict = self.verdict
+        usage.given_up(verdict is not None and verdict.counted)
 
     def _watching(self) -> DisconnectWatch:
         watch = self._watch

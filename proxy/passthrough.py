@@ -7,7 +7,7 @@ The path goes up as the client wrote it (percent-encodings kept), never above th
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable
+from collections.abc import Mapping
 
 import httpx
 from starlette.requests import Request
@@ -44,7 +44,7 @@ async def passthrough(request: Request) -> Response:
                 model = model_in(content)
                 check_model(caller.key, model)
                 if model and request.method == "POST":  # a billed call: embeddings, responses...
-                    tap = exchange.state.meter.tap(
+                    tap = exchange.usage = exchange.state.meter.tap(
                         caller.key.id, model, PASSTHROUGH, hide_usage=False
                     )
         elif length is not None or chunked:
@@ -54,18 +54,17 @@ async def passthrough(request: Request) -> Response:
             if length is not None:
                 headers.append(("content-length", length))
 
-        def send() -> Awaitable[httpx.Response]:
-            return exchange.open(
-                request.method, path, headers=headers, content=content, clearance=charging
-            )
+        async def charge_and_send() -> tuple[httpx.Response, Mapping[str, str]]:
+            verdict = await exchange.charge(caller.key, 0)
+            if verdict.refusal is not None:
+                raise verdict.refusal
+            response = await exchange.open(request.method, path, headers=headers, content=content)
+            return response, verdict.headers
 
-        charging = exchange.charge(caller.key, 0, tap)  # sent now, cleared in `open`
         try:
-            response = await (exchange.guard(send) if watch else send())
-        except ClientDisconnected:
-            if charging is not None:
-                charging.abandon()  # (when the watcher saw the client leave before `open`)
-            raise
+            response, quota_headers = await (
+                exchange.guard(charge_and_send) if watch else charge_and_send()
+            )
         except ProxyError:
             if upload is not None:
                 upload.raise_if_gone()
@@ -76,8 +75,7 @@ async def passthrough(request: Request) -> Response:
     except ClientDisconnected:
         exchange.unanswered(sent=True)
         return exchange.disconnected()
-    quota = charging.headers if charging is not None else []
-    return await exchange.relay(response, None, tap, watch=watch, raw_headers=quota)
+    return await exchange.relay(response, quota_headers, tap, watch=watch)
 
 
 def model_in(content: bytes) -> str:

@@ -97,7 +97,7 @@ async def usage_of(app: Any) -> dict[str, int]:
             await state.meter.join()
             rows = await state.meter.ledger.usage(None, "0000-00-00", "9999-12-31")
             if rows:
-                return dict(rows[0].counts)
+                return rows[0].counts._asdict()
             await asyncio.sleep(0.005)  # polls what the proxy records after the reply's end
 
 

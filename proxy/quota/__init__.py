@@ -4,9 +4,9 @@ ledger that holds them and the per-day usage, in memory or in Redis (single node
 
 from __future__ import annotations
 
-from proxy.quota.ledger import USAGE_FIELDS, Ledger, LedgerUnavailable, UsageRow
+from proxy.quota.ledger import USAGE_FIELDS, Ledger, LedgerUnavailable, UsageCounts, UsageRow
 from proxy.quota.memory import MemoryLedger
-from proxy.quota.quotas import Quotas
+from proxy.quota.quotas import Quotas, Verdict
 from proxy.settings import Settings
 from proxy.store import redis_required
 
@@ -16,7 +16,9 @@ __all__ = [
     "LedgerUnavailable",
     "MemoryLedger",
     "Quotas",
+    "UsageCounts",
     "UsageRow",
+    "Verdict",
     "create_ledger",
 ]
 

@@ -1,16 +1,17 @@
 """The ledger seam: what one key used, in quota windows and in per-day usage rows.
 
 `charge` is the one call on the hot path: it checks every limit of a key and, only if all
-pass, counts the request and its forwarded prompt tokens, atomically. `record` adds what a
-finished request cost (usage and spend), off the hot path. Backends: memory (one process)
+pass, counts the request and its forwarded prompt tokens, atomically. `record` adds what
+finished requests cost (usage and spend), off the hot path. Backends: memory (one process)
 and Redis (any number of replicas, single node or cluster).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
+import operator
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol
 
 from proxy.auth.keys import Limits
@@ -18,21 +19,7 @@ from proxy.quota.windows import Windows
 
 Denial = Literal["requests", "tokens_minute", "tokens_day", "spend_day", "spend_month"]
 
-# Per-day usage fields, all integers (dollars as nano-dollars, so cheap requests add up).
-USAGE_FIELDS = (
-    "requests",
-    "prompt_tokens_sent",
-    "prompt_tokens_forwarded",
-    "cached_prompt_tokens",
-    "completion_tokens",
-    "summarizer_prompt_tokens",
-    "summarizer_completion_tokens",
-    "tokens_saved",
-    "cost_nano_usd",
-    "estimated_requests",
-)
-
-NANO = 1_000_000_000  # dollars are stored as integer nano-dollars
+NANO = 1_000_000_000  # dollars are stored as integer nano-dollars, so cheap requests add up
 
 # A usage batch's idempotency id: (writer, sequence number). A writer (one meter) numbers
 # its batches in increasing order, and sends a key, model and day's next batch only once
@@ -46,9 +33,42 @@ class LedgerUnavailable(Exception):
     """The backend could not be reached (Redis down); the caller applies on_redis_error."""
 
 
+class UsageCounts(NamedTuple):
+    """What requests of one key and model used: one reply's, or a day's sum. All integers;
+    the names are the fields of the stored usage rows."""
+
+    requests: int = 0
+    prompt_tokens_sent: int = 0  # as the client sent them (before compaction)
+    prompt_tokens_forwarded: int = 0  # as the upstream billed them (or we counted them)
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    summarizer_prompt_tokens: int = 0
+    summarizer_completion_tokens: int = 0
+    tokens_saved: int = 0
+    cost_nano_usd: int = 0
+    estimated_requests: int = 0  # replies without the upstream's usage: our own counts
+
+    def plus(self, other: UsageCounts) -> UsageCounts:
+        """Field by field."""
+        return UsageCounts._make(map(operator.add, self, other))
+
+    @classmethod
+    def total(cls, many: Iterable[UsageCounts]) -> UsageCounts:
+        total = cls()
+        for counts in many:
+            total = total.plus(counts)
+        return total
+
+    def nonzero(self) -> dict[str, int]:
+        """The fields that are not 0, by name."""
+        return {name: value for name, value in self._asdict().items() if value}
+
+
+USAGE_FIELDS = UsageCounts._fields
+
+
 class Charge(NamedTuple):
-    """Counters after the check (incremented only when `denied is None`). A tuple: one is
-    made per request."""
+    """A key's counters after one charge's check (incremented only when `denied is None`)."""
 
     denied: Denial | None
     requests: int = 0
@@ -56,12 +76,6 @@ class Charge(NamedTuple):
     tokens_day: int = 0
     spend_day_nano: int = 0
     spend_month_nano: int = 0
-
-
-def new_charge(fields: tuple[Denial | None, int, int, int, int, int]) -> Charge:
-    """`Charge(*fields)` made by the tuple type itself: a NamedTuple's own constructor is a
-    Python function, a call frame more on every request."""
-    return tuple.__new__(Charge, fields)
 
 
 @dataclass(frozen=True)
@@ -90,52 +104,39 @@ class LimitArgs:
 
 @dataclass
 class UsageRow:
+    """One key's usage of one model on one UTC day ("YYYY-MM-DD")."""
+
     key: str
     model: str
     day: str
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: UsageCounts
 
     def as_json(self) -> dict[str, object]:
-        counts = {name: self.counts.get(name, 0) for name in USAGE_FIELDS}
-        cost = counts.pop("cost_nano_usd") / NANO
+        counts: dict[str, object] = self.counts._asdict()
+        cost = self.counts.cost_nano_usd / NANO
+        del counts["cost_nano_usd"]
         return {"key": self.key, "model": self.model, "day": self.day, **counts, "cost_usd": cost}
-
-
-class LostVerdict(Protocol):
-    """Told the verdict of a charge whose caller stopped waiting for it (None: the ledger
-    could not get it)."""
-
-    def lost(self, charge: Charge | None) -> None: ...
 
 
 class Ledger(Protocol):
     name: str  # "memory" | "redis"
     errors: int  # backend failures so far
+    # Whether a charge waits on a server. Such a charge may be in flight when its request
+    # is given up: `Quotas` then leaves it running (a task of its own, unless it is a
+    # future already), so it is settled all the same.
+    remote: bool
 
-    def charge(
-        self,
-        key_id: str,
-        limits: LimitArgs,
-        tokens: int,
-        w: Windows,
-        *,
-        lost: LostVerdict | None = None,
-    ) -> Awaitable[Charge]:
-        """`w`: the windows of the request's time, computed once by the caller. A backend
-        that talks to a server may send the charge before returning, so that its round trip
-        overlaps what the caller does until it awaits the result (the request it admits is
-        only sent upstream after that). Awaited once (by the caller, or to settle a charge
-        whose request was given up first). If that wait is cancelled once the charge may
-        have been sent, the backend asks again under the charge's id (counting nothing
-        twice) and tells `lost` the verdict; a backend whose charge never suspends never
-        sees that."""
+    def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Awaitable[Charge]:
+        """Check `limits` and, if none is exceeded, count one request of `tokens` forwarded
+        prompt tokens, atomically. `w`: the windows of the request's time. Raises
+        LedgerUnavailable when the backend cannot answer."""
         ...
 
     async def record(
         self,
         key_id: str,
         model: str,
-        counts: dict[str, int],
+        counts: UsageCounts,
         now: float,
         *,
         record_id: RecordId | None = None,

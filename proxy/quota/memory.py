@@ -3,14 +3,12 @@ bounded by keys x models x retained days."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from proxy.quota.ledger import (
     Charge,
     Denial,
     LimitArgs,
-    LostVerdict,
     RecordId,
+    UsageCounts,
     UsageRow,
     oldest_kept_day,
 )
@@ -18,19 +16,15 @@ from proxy.quota.windows import Windows, windows_at
 
 
 class _Counters:
-    """One key's quota counters, each with the window it counts (a new window starts at 0).
+    """One key's quota counters, each with the window it counts (a new window starts at 0)."""
 
-    One object per key, so a charge is one dict lookup and a few attribute reads."""
-
-    __slots__ = ("day", "minute", "month", "rpm", "seen", "spend_d", "spend_m", "tpd", "tpm")
+    __slots__ = ("day", "minute", "month", "rpm", "spend_d", "spend_m", "tpd", "tpm")
 
     def __init__(self) -> None:
         self.minute = self.day = self.month = ""
         self.rpm = self.tpm = self.tpd = self.spend_d = self.spend_m = 0
-        self.seen: Windows | None = None  # the last windows rolled to (one tuple a second)
 
     def roll(self, w: Windows) -> None:
-        self.seen = w
         if self.minute != w.minute:
             self.minute, self.rpm, self.tpm = w.minute, 0, 0
         if self.day != w.day:
@@ -38,71 +32,63 @@ class _Counters:
         if self.month != w.month:
             self.month, self.spend_m = w.month, 0
 
+    def denial(self, limits: LimitArgs, tokens: int) -> Denial | None:
+        """The first limit one more request of `tokens` would exceed (None: all pass)."""
+        if limits.requests and self.rpm + 1 > limits.requests:
+            return "requests"
+        if limits.tokens_minute and self.tpm + tokens > limits.tokens_minute:
+            return "tokens_minute"
+        if limits.tokens_day and self.tpd + tokens > limits.tokens_day:
+            return "tokens_day"
+        if limits.spend_day_nano and self.spend_d >= limits.spend_day_nano:
+            return "spend_day"
+        if limits.spend_month_nano and self.spend_m >= limits.spend_month_nano:
+            return "spend_month"
+        return None
+
 
 class MemoryLedger:
     name = "memory"
+    remote = False  # a charge never waits: nothing can give its request up midway
 
     def __init__(self, retention_days: int = 400) -> None:
         self.errors = 0
         self.retention_days = retention_days
         self._counters: dict[str, _Counters] = {}
-        self._usage: dict[tuple[str, str, str], defaultdict[str, int]] = {}
+        self._usage: dict[tuple[str, str, str], UsageCounts] = {}  # (key, day, model)
         self._oldest_kept = ""
 
-    async def charge(
-        self,
-        key_id: str,
-        limits: LimitArgs,
-        tokens: int,
-        w: Windows,
-        *,
-        lost: LostVerdict | None = None,  # never told: this charge never suspends
-    ) -> Charge:
-        return self.charge_now(key_id, limits, tokens, w)
+    def _of(self, key_id: str) -> _Counters:
+        found = self._counters.get(key_id)
+        if found is None:
+            found = self._counters[key_id] = _Counters()
+        return found
 
-    def charge_now(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
-        """`charge`, answered in the caller's frame (this backend never waits): `Quotas`
-        decides a request's charge here when its verdict is asked for, with no awaitable.
-        The limit check is inline: one call frame fewer per request."""
-        c = self._counters.get(key_id)
-        if c is None:
-            c = self._counters[key_id] = _Counters()
-        if c.seen is not w:
-            c.roll(w)
-        rpm, tpm, tpd, spend_d, spend_m = c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m
-        denied: Denial | None = None
-        if limits.requests and rpm + 1 > limits.requests:
-            denied = "requests"
-        elif limits.tokens_minute and tpm + tokens > limits.tokens_minute:
-            denied = "tokens_minute"
-        elif limits.tokens_day and tpd + tokens > limits.tokens_day:
-            denied = "tokens_day"
-        elif limits.spend_day_nano and spend_d >= limits.spend_day_nano:
-            denied = "spend_day"
-        elif limits.spend_month_nano and spend_m >= limits.spend_month_nano:
-            denied = "spend_month"
-        else:
-            c.rpm = rpm = rpm + 1
-            c.tpm = tpm = tpm + tokens
-            c.tpd = tpd = tpd + tokens
-        return tuple.__new__(Charge, (denied, rpm, tpm, tpd, spend_d, spend_m))  # see new_charge
+    async def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Charge:
+        c = self._of(key_id)
+        c.roll(w)
+        denied = c.denial(limits, tokens)
+        if denied is None:
+            c.rpm += 1
+            c.tpm += tokens
+            c.tpd += tokens
+        return Charge(denied, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
 
     async def record(
         self,
         key_id: str,
         model: str,
-        counts: dict[str, int],
+        counts: UsageCounts,
         now: float,
         *,
         record_id: RecordId | None = None,  # never resent: this backend cannot fail
     ) -> None:
         w = windows_at(now)
-        row = self._usage.setdefault((key_id, w.day, model), defaultdict(int))
-        for name, value in counts.items():
-            row[name] += value
-        cost = counts.get("cost_nano_usd", 0)
-        if cost:
-            self._spent(key_id, w, cost)
+        entry = (key_id, w.day, model)
+        found = self._usage.get(entry)
+        self._usage[entry] = counts if found is None else found.plus(counts)
+        if counts.cost_nano_usd:
+            self._spent(key_id, w, counts.cost_nano_usd)
         oldest = oldest_kept_day(w.day, self.retention_days)
         if oldest != self._oldest_kept:
             self._oldest_kept = oldest
@@ -112,23 +98,21 @@ class MemoryLedger:
     def _spent(self, key_id: str, w: Windows, cost: int) -> None:
         """Spend of a finished request; one of an earlier day (a batch written after
         midnight) never turns the counters back."""
-        c = self._counters.get(key_id)
-        if c is None:
-            c = self._counters[key_id] = _Counters()
+        c = self._of(key_id)
         if w.day == c.day:
             c.spend_d += cost
         elif w.day > c.day:
-            c.day, c.tpd, c.spend_d, c.seen = w.day, 0, cost, None
+            c.day, c.tpd, c.spend_d = w.day, 0, cost
         if w.month == c.month:
             c.spend_m += cost
         elif w.month > c.month:
-            c.month, c.spend_m, c.seen = w.month, cost, None
+            c.month, c.spend_m = w.month, cost
 
     async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
         wanted = None if key_ids is None else set(key_ids)
         return [
-            UsageRow(key, model, day, dict(row))
-            for (key, day, model), row in sorted(self._usage.items())
+            UsageRow(key, model, day, counts)
+            for (key, day, model), counts in sorted(self._usage.items())
             if since <= day <= until and (wanted is None or key in wanted)
         ]
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 
 class Windows(NamedTuple):
-    """A tuple: one is made per request (the resets move with the fraction of a second)."""
+    """The windows a moment falls in, and how long until each resets."""
 
     minute: str  # "m<unix minute>"
     day: str  # "YYYY-MM-DD"
@@ -43,8 +43,8 @@ def windows_at(now: float) -> Windows:
 
 def whole_second(now: float) -> Windows:
     """The windows at the start of the whole second `now` falls in: the same window names as
-    `windows_at(now)`, the resets in whole seconds. One tuple per second, memoised (a charge
-    needs only the names; the calendar part runs once a second)."""
+    `windows_at(now)`, the resets in whole seconds. Memoised for the current second, so the
+    calendar arithmetic runs once a second, not once a request."""
     global _memo
     second = int(now)
     memo = _memo

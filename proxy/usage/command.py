@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 
-from proxy.quota.ledger import USAGE_FIELDS
 from proxy.settings import ConfigError, Settings, load_settings
 
 COLUMNS = [
@@ -137,7 +136,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print("no usage in this period", file=sys.stderr)
         return
     totals: dict[str, Any] = {"day": "total", "key": "", "model": ""}
-    for field in (*USAGE_FIELDS, "cost_usd"):
+    for _, field in COLUMNS[3:]:
         totals[field] = sum(row.get(field, 0) for row in rows)
     table = [[name for name, _ in COLUMNS]]
     for row in [*rows, totals]:

@@ -43,7 +43,7 @@ import orjson
 from proxy import jsonbytes
 from proxy.compaction.protocol import Spend, Usage
 from proxy.headers import RawHeaders
-from proxy.quota.ledger import NANO, USAGE_FIELDS, Ledger, LedgerUnavailable, RecordId
+from proxy.quota.ledger import NANO, Ledger, LedgerUnavailable, RecordId, UsageCounts
 from proxy.quota.windows import day_of
 from proxy.report import Outcome
 from proxy.settings import Settings
@@ -61,12 +61,9 @@ FLUSH_S = 0.5
 MAX_HELD_ROWS = 10_000
 # Model names come from clients: kept bounded where they become stored keys.
 _MODEL_CHARS = 100
-# Replies kept unsummed per key, model and day before they are summed into one row.
-_ROWS_BEFORE_SUM = 256
 
 
 Entry = tuple[str, str, str]  # key id, model, day
-Row = tuple[int, ...]  # one reply's counts, USAGE_FIELDS order
 
 
 @dataclass
@@ -74,7 +71,7 @@ class _Held:
     """A row whose write failed: resent as it was, under the same id."""
 
     at: float  # a timestamp in the row's day
-    sums: list[int]  # USAGE_FIELDS order; never changed once written
+    counts: UsageCounts  # never changed once written
     record_id: RecordId
 
 
@@ -96,9 +93,8 @@ class Meter:
         self.summarizer_model = settings.compaction.summarizer.model
         self.errors = 0
         self.flush_s = FLUSH_S
-        # (key id, model, day) -> (a timestamp in that day, rows in USAGE_FIELDS order): a
-        # reply's counts are appended, and summed when written (see `_sums`).
-        self._batch: dict[tuple[str, str, str], tuple[float, list[Row]]] = {}
+        # (key id, model, day) -> (a timestamp in that day, the sum of its replies' counts)
+        self._batch: dict[Entry, tuple[float, UsageCounts]] = {}
         self._flusher: asyncio.Task[None] | None = None  # sleeping until the next flush
         self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
@@ -109,7 +105,6 @@ class Meter:
         self._cap_warned = False  # one warning per outage when the cap drops rows
         self._writer = os.urandom(16).hex()  # this meter's half of every RecordId
         self._written = 0  # the last RecordId number given
-        self._day = (0.0, 0.0, "")  # [start, end) of the UTC day `add` last saw, and its date
 
     def with_stream_usage(
         self, body: dict[str, Any], raw: bytes
@@ -152,30 +147,13 @@ class Meter:
                 usd += summarizer.cost_usd(summary.input_tokens, 0, summary.output_tokens)
         return round(usd * NANO), price is not None
 
-    def record(self, key_id: str, model: str, counts: dict[str, int]) -> None:
-        """Add one reply's counts (by USAGE_FIELDS name) to the batch."""
-        self.add(key_id, model, tuple([counts.get(name, 0) for name in USAGE_FIELDS]))
-
-    def add(self, key_id: str, model: str, values: tuple[int, ...]) -> None:
-        """Add one reply's counts, in USAGE_FIELDS order, to the batch; the flusher writes it
-        within `flush_s`. Kept as they are per key, model and day (no dict per reply), and
-        summed column by column when written: appending is ~6x cheaper than adding the
-        counts into a running sum one reply at a time. (A tuple of ints: the collector stops
-        tracking it at its first pass, so rows waiting for a flush cost no collection.)"""
+    def add(self, key_id: str, model: str, counts: UsageCounts) -> None:
+        """Add one reply's counts to the batch, summed per key, model and day; the flusher
+        writes it within `flush_s`."""
         now = self.clock()
-        day = self._day
-        if not day[0] <= now < day[1]:
-            start = now - now % 86400
-            day = self._day = (start, start + 86400, day_of(now))
-        entry = (key_id, model[:_MODEL_CHARS], day[2])
+        entry = (key_id, model[:_MODEL_CHARS], day_of(now))
         found = self._batch.get(entry)
-        if found is None:
-            self._batch[entry] = (now, [values])
-        else:
-            rows = found[1]
-            rows.append(values)
-            if len(rows) >= _ROWS_BEFORE_SUM:  # bounded whatever the flusher is waiting on
-                rows[:] = [tuple(_sums(rows))]
+        self._batch[entry] = (now, counts) if found is None else (found[0], found[1].plus(counts))
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -205,30 +183,28 @@ class Meter:
             held, self._held = self._held, {}
             down = False
             for entry, row in held.items():
-                if down or not await self._write(entry, row.at, row.sums, row.record_id):
+                if down or not await self._write(entry, row):
                     down = True
                     self._hold(entry, row)
                     waiting = batch.pop(entry, None)
                     if waiting is not None:  # never sent: merges with what comes next
-                        self._carry(entry, waiting[0], _sums(waiting[1]))
-            for entry, (at, rows) in batch.items():
-                sums = _sums(rows)
+                        self._carry(entry, *waiting)
+            for entry, (at, counts) in batch.items():
                 if down:
-                    self._carry(entry, at, sums)
+                    self._carry(entry, at, counts)
                     continue
                 self._written += 1
-                record_id = (self._writer, self._written)
-                if not await self._write(entry, at, sums, record_id):
+                row = _Held(at, counts, (self._writer, self._written))
+                if not await self._write(entry, row):
                     down = True
-                    self._hold(entry, _Held(at, sums, record_id))
+                    self._hold(entry, row)
             if not down:
                 self._cap_warned = False
 
-    async def _write(self, entry: Entry, at: float, sums: list[int], record_id: RecordId) -> bool:
+    async def _write(self, entry: Entry, row: _Held) -> bool:
         key_id, model, _ = entry
-        counts = {name: value for name, value in zip(USAGE_FIELDS, sums, strict=True) if value}
         try:
-            await self.ledger.record(key_id, model, counts, at, record_id=record_id)
+            await self.ledger.record(key_id, model, row.counts, row.at, record_id=row.record_id)
         except LedgerUnavailable as exc:
             self._log.warning(
                 "usage: %s ledger unavailable (%s); usage held for the next flush",
@@ -236,16 +212,6 @@ class Meter:
             )  # fmt: skip
             return False
         return True
-
-    @staticmethod
-    def _merge(
-        batch: dict[Entry, tuple[float, list[Row]]], entry: Entry, at: float, sums: list[int]
-    ) -> None:
-        found = batch.get(entry)
-        if found is None:
-            batch[entry] = (at, [tuple(sums)])
-        else:
-            found[1].append(tuple(sums))
 
     def _room(self) -> bool:
         """Whether one more row may be kept for a retry (held, or carried to the next batch)."""
@@ -260,21 +226,25 @@ class Meter:
             )  # fmt: skip
         return False
 
-    def _drop(self, sums: list[int]) -> None:
+    def _drop(self, counts: UsageCounts) -> None:
         self.dropped_rows += 1
-        self.errors += sums[0]  # its replies (USAGE_FIELDS[0] is "requests")
+        self.errors += counts.requests  # its replies
 
     def _hold(self, entry: Entry, row: _Held) -> None:
         if self._room():
             self._held[entry] = row
         else:
-            self._drop(row.sums)
+            self._drop(row.counts)
 
-    def _carry(self, entry: Entry, at: float, sums: list[int]) -> None:
-        if entry in self._batch or self._room():
-            self._merge(self._batch, entry, at, sums)
+    def _carry(self, entry: Entry, at: float, counts: UsageCounts) -> None:
+        """Back into the batch, unsent: summed with what was recorded since."""
+        found = self._batch.get(entry)
+        if found is not None:
+            self._batch[entry] = (found[0], found[1].plus(counts))
+        elif self._room():
+            self._batch[entry] = (at, counts)
         else:
-            self._drop(sums)
+            self._drop(counts)
 
     async def join(self) -> None:
         """Write everything recorded so far (tests, shutdown)."""
@@ -288,20 +258,13 @@ class Meter:
             if self._writing:
                 await asyncio.gather(*list(self._writing), return_exceptions=True)
         await self.flush()
-        left = [row.sums for row in self._held.values()]
-        left += [_sums(rows) for _, rows in self._batch.values()]
+        left = [row.counts for row in self._held.values()]
+        left += [counts for _, counts in self._batch.values()]
         if left:  # held, or unsent behind a failed write
             log.warning(
                 "usage: %d rows (%d replies) still not written: the %s ledger is unavailable",
-                len(left), sum(sums[0] for sums in left), self.ledger.name,
+                len(left), sum(counts.requests for counts in left), self.ledger.name,
             )  # fmt: skip
-
-
-def _sums(rows: list[Row]) -> list[int]:
-    """The column sums of rows in USAGE_FIELDS order."""
-    if len(rows) == 1:
-        return list(rows[0])
-    return list(map(sum, zip(*rows, strict=True)))
 
 
 # A JSON reply up to this size is parsed by orjson (faster than reading its end in Python); a
@@ -339,18 +302,10 @@ def whole_usage(body: bytes, headers: httpx.Headers) -> ReportedUsage | None:
 
 
 def content_encoding(headers: httpx.Headers) -> str:
-    """`headers.get("content-encoding", "")` without the KeyError that `Headers.get` raises
-    and catches for the usual reply, which has none (~9k instructions), nor `get_list`'s
-    lower-casing and decoding of every name (~6k): httpx keeps each header's lower-cased
-    name beside it, which is read directly when this httpx has that list."""
-    items = getattr(headers, "_list", None)
-    if type(items) is not list:
-        return ", ".join(headers.get_list("content-encoding"))
-    found: list[str] = []
-    for _, name, value in items:  # (a loop, not a comprehension: no frame of its own)
-        if name == b"content-encoding":
-            found.append(value.decode(headers.encoding))
-    return ", ".join(found)
+    """The reply's content-encoding ("" if none; several are joined by ", ", as
+    `headers.get` joins them, without the KeyError `get` raises and catches when, as
+    usual, the reply has none)."""
+    return ", ".join(headers.get_list("content-encoding"))
 
 
 class ChatTap:
@@ -455,9 +410,15 @@ class ChatTap:
             return
         meter, model = self.meter, self.model
         cost, _ = meter.cost_nano(model, summary, 0, 0, 0)
-        meter.add(self.key_id, model, (
-            0, 0, 0, 0, 0, summary.input_tokens, summary.output_tokens, 0, cost, 0,
-        ))  # fmt: skip
+        meter.add(
+            self.key_id,
+            model,
+            UsageCounts(
+                summarizer_prompt_tokens=summary.input_tokens,
+                summarizer_completion_tokens=summary.output_tokens,
+                cost_nano_usd=cost,
+            ),
+        )
 
     def _finish(
         self, billable: bool, reported: ReportedUsage | None, events: int
@@ -477,7 +438,9 @@ class ChatTap:
                 prompt, cached, completion = after, 0, max(0, events - 1)
                 estimated = 1
             else:
-                prompt, completion, cached = reported
+                prompt = reported.prompt_tokens
+                cached = reported.cached_tokens
+                completion = reported.completion_tokens
             # Compaction off: nothing counted, what was sent is what was billed.
             if before is None:
                 sent, saved = prompt, 0
@@ -487,9 +450,20 @@ class ChatTap:
             prompt = cached = completion = sent = saved = estimated = 0
         meter, model = self.meter, self.model
         cost, priced = meter.cost_nano(model, summary, prompt, cached, completion)
-        # USAGE_FIELDS order.
-        meter.add(self.key_id, model, (
-            1, sent, prompt, cached, completion, summary.input_tokens, summary.output_tokens,
-            saved, cost, estimated,
-        ))  # fmt: skip
+        meter.add(
+            self.key_id,
+            model,
+            UsageCounts(
+                requests=1,
+                prompt_tokens_sent=sent,
+                prompt_tokens_forwarded=prompt,
+                cached_prompt_tokens=cached,
+                completion_tokens=completion,
+                summarizer_prompt_tokens=summary.input_tokens,
+                summarizer_completion_tokens=summary.output_tokens,
+                tokens_saved=saved,
+                cost_nano_usd=cost,
+                estimated_requests=estimated,
+            ),
+        )
         return cost, priced

@@ -31,7 +31,7 @@ _MAX_DECODED_BYTES = 8 * 1024 * 1024
 
 
 class ReportedUsage(NamedTuple):
-    """The upstream's own numbers (a tuple: one is made per reply)."""
+    """The upstream's own numbers for one reply."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -62,8 +62,7 @@ class ReportedUsage(NamedTuple):
             found = details["cached_tokens"]
             if type(found) is int and found > 0:
                 cached = found
-        # Made by the tuple type itself: a NamedTuple's constructor is a Python call more.
-        return tuple.__new__(cls, (prompt, completion, cached))
+        return cls(prompt, completion, cached)
 
 
 def usage_of_body(body: bytes, content_encoding: str = "") -> ReportedUsage | None:
@@ -370,7 +369,7 @@ class StreamTap:
         """Record usage from an event's data: whether it is the usage-only event (its
         `choices` empty); None when it has no top-level `usage` (nothing recorded)."""
         try:
-            payload = orjson.loads(data)  # ~4x cheaper than the stdlib on these events
+            payload = orjson.loads(data)
         except orjson.JSONDecodeError:
             payload = None
         usage = _payload_usage(payload)

@@ -428,9 +428,19 @@ def test_the_key_read_from_the_wire_bytes_is_the_one_read_from_their_text(
 @pytest.mark.parametrize(
     "value",
     [
-        b"Bearer sk-x", b"Bearer  sk-x \t", b"Bearer ", b"Bearer \x0b", b"Bearer a b",
-        b"bearer sk-x", b"BEARER sk-x", b" Bearer sk-x", b"Bearer\tsk-x", b"Bearer", b"Basic sk-x",
-        b"Bearer \xe9", b"sk-x",
+        b"Bearer sk-x",
+        b"Bearer  sk-x \t",
+        b"Bearer ",
+        b"Bearer \x0b",
+        b"Bearer a b",
+        b"bearer sk-x",
+        b"BEARER sk-x",
+        b" Bearer sk-x",
+        b"Bearer\tsk-x",
+        b"Bearer",
+        b"Basic sk-x",
+        b"Bearer \xe9",
+        b"sk-x",
     ],
 )
 @pytest.mark.parametrize("name", [b"authorization", b"Authorization"])

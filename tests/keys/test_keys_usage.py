@@ -591,7 +591,7 @@ async def test_a_stream_without_usage_is_estimated_from_its_events_in_any_chunks
 async def test_usage_on_either_side_of_midnight_goes_to_its_own_day() -> None:
     """The meter keeps the current UTC day's bounds; a reply an instant past midnight opens the
     next day's row, one an instant before stays in the day it ends."""
-    from proxy.quota import MemoryLedger
+    from proxy.quota import MemoryLedger, UsageCounts
     from proxy.settings import Settings
     from proxy.usage.meter import Meter
     from proxy.usage.pricing import Pricing
@@ -603,36 +603,47 @@ async def test_usage_on_either_side_of_midnight_goes_to_its_own_day() -> None:
     meter = Meter(settings, ledger, Pricing(), clock=lambda: now[0])
     for at in (midnight - 86400.5, midnight - 0.25, midnight - 1e-6, midnight, midnight + 0.5):
         now[0] = at
-        meter.record("k", "m", {"requests": 1, "prompt_tokens_sent": int(at - midnight + 2)})
+        meter.add("k", "m", UsageCounts(requests=1, prompt_tokens_sent=int(at - midnight + 2)))
     await meter.join()
     rows = await ledger.usage(None, "2000-01-01", "2100-01-01")
-    assert [(row.day, row.counts["requests"]) for row in rows] == [
+    assert [(row.day, row.counts.requests) for row in rows] == [
         ("2027-01-14", 1),
         ("2027-01-15", 2),
         ("2027-01-16", 2),
     ]
 
 
-async def test_many_replies_before_a_flush_sum_exactly_and_stay_bounded() -> None:
-    """Replies are kept as they come and summed when written: however many arrive before the
-    flusher runs, each key, model and day's row is their exact sum, and what is kept unsummed
-    stays bounded."""
-    from proxy.quota import MemoryLedger
-    from proxy.quota.ledger import USAGE_FIELDS
+async def test_many_replies_before_a_flush_sum_exactly_per_key_model_and_day() -> None:
+    """However many replies arrive before the flusher runs, each key, model and day's row is
+    their exact sum, field by field, and the batch holds one row per key, model and day."""
+    from proxy.quota import MemoryLedger, UsageCounts
     from proxy.settings import Settings
     from proxy.usage.meter import Meter
     from proxy.usage.pricing import Pricing
 
     ledger = MemoryLedger()
     meter = Meter(Settings(), ledger, Pricing(), clock=lambda: 1_800_000_000.0)
-    expected: dict[str, list[int]] = {"a": [0] * len(USAGE_FIELDS), "b": [0] * len(USAGE_FIELDS)}
+    expected = {"a": UsageCounts(), "b": UsageCounts()}
     for i in range(1_000):
         key = "a" if i % 3 else "b"
-        values = [1, i, i, i % 7, 2 * i, i % 5, 1, i % 11, 10 * i, i % 2]
-        meter.add(key, "m", tuple(values))
-        expected[key] = [x + y for x, y in zip(expected[key], values, strict=True)]
-        assert all(len(rows) <= 256 for _, rows in meter._batch.values())
+        counts = UsageCounts(
+            requests=1,
+            prompt_tokens_sent=i,
+            prompt_tokens_forwarded=i,
+            cached_prompt_tokens=i % 7,
+            completion_tokens=2 * i,
+            summarizer_prompt_tokens=i % 5,
+            summarizer_completion_tokens=1,
+            tokens_saved=i % 11,
+            cost_nano_usd=10 * i,
+            estimated_requests=i % 2,
+        )
+        meter.add(key, "m", counts)
+        expected[key] = UsageCounts(*(x + y for x, y in zip(expected[key], counts, strict=True)))
+    assert len(meter._batch) == 2
     await meter.join()
     rows = await ledger.usage(None, "2000-01-01", "2100-01-01")
-    found = {row.key: [row.counts.get(name, 0) for name in USAGE_FIELDS] for row in rows}
-    assert found == expected
+    assert {row.key: row.counts for row in rows} == expected
+    assert expected["a"].requests == 666 and expected["b"].cost_nano_usd == sum(
+        10 * i for i in range(0, 1_000, 3)
+    )

@@ -10,6 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.cli import main
+from proxy.quota.ledger import UsageCounts
 from proxy.quota.redis import RedisLedger
 from proxy.quota.windows import day_of
 from proxy.store.connect import connect
@@ -20,9 +21,9 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 async def _record(prefix: str) -> None:
     ledger = RedisLedger(connect(REDIS_URL, socket_timeout_s=2), prefix)
     now = time.time()
-    counts = {"requests": 3, "prompt_tokens_forwarded": 1200, "cost_nano_usd": 4_500_000}
+    counts = UsageCounts(requests=3, prompt_tokens_forwarded=1200, cost_nano_usd=4_500_000)
     await ledger.record("team-a", "gpt-4o", counts, now)
-    await ledger.record("team-b", "gpt-4o-mini", {"requests": 1}, now)
+    await ledger.record("team-b", "gpt-4o-mini", UsageCounts(requests=1), now)
     await ledger.close()
 
 

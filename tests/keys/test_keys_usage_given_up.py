@@ -1,10 +1,10 @@
-"""Usage of keyed requests given up after their quota charge was made and before its verdict
-came back (served: uvicorn on 127.0.0.1, raw sockets; memory and a real Redis).
+"""Usage of keyed requests given up after their quota charge was made (served: uvicorn on
+127.0.0.1, raw sockets; memory and a real Redis).
 
-A charge once made is settled as the ledger decides, whether or not the request waits for
-the verdict: Redis runs a charge it was sent, and the memory ledger runs one given up
-unasked, so both count the request. Usage counts it too, as a request that never reached
-the upstream (no tokens), so a key's usage and its quota count the same requests.
+A charge once made is settled as the ledger decides, whether or not the request still waits
+for the verdict: Redis runs a charge it was sent, and the proxy still reads its answer. Usage
+counts such a request too, as one that never reached the upstream (no tokens), so a key's
+usage and its quota count the same requests.
 """
 
 from __future__ import annotations
@@ -94,14 +94,16 @@ class Served:
         self.port = port
         self.app = app
         self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30)
-        self.charges = 0  # charges the quota made (for Redis: sent to its ledger)
+        self.charges = 0  # charges asked of the quota
+        self.verdicts = 0  # and answered to their request
         quotas = app.state.proxy.quotas
         charge = quotas.charge
 
-        def counted(*args: Any, **kwargs: Any) -> Any:  # the quota's own Charging, as made
-            made = charge(*args, **kwargs)
-            self.charges += made is not None
-            return made
+        async def counted(*args: Any, **kwargs: Any) -> Any:  # the quota's own charge
+            self.charges += 1
+            verdict = await charge(*args, **kwargs)
+            self.verdicts += 1
+            return verdict
 
         quotas.charge = counted
 
@@ -180,15 +182,17 @@ def left(caplog: pytest.LogCaptureFixture) -> int:
 async def test_a_request_given_up_while_waiting_for_a_connection_counts_in_quota_and_usage(
     backend: str, redis_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its charge was made (for Redis: sent) and never asked for: the one upstream
-    connection was busy, and the client left while the request waited for it."""
+    """Its quota counted it and it was let go upstream, where it waited for the one
+    connection (busy); the client left meanwhile. Nothing says whether any byte of it was
+    written, so usage has it as a request the upstream may bill: its prompt as counted,
+    marked estimated, as for any request let go that got no reply."""
     caplog.set_level(logging.INFO, logger="proxy.exchange")
     quota = {"backend": backend, "key_prefix": redis_prefix, "socket_timeout_s": 10}
     async with served(quota, max_connections=1) as s:
         busy = asyncio.create_task(s.chat("slow-first-byte"))  # holds the only connection
         await until(lambda: len(s.upstream.seen) == 1)
         writer = await s.open_chat()
-        await until(lambda: s.charges == 2)  # charged; waiting for the connection
+        await until(lambda: s.verdicts == 2)  # charged and let go: waiting for the connection
         writer.close()
         await until(lambda: left(caplog) == 1)
         s.upstream.release.set()
@@ -198,24 +202,25 @@ async def test_a_request_given_up_while_waiting_for_a_connection_counts_in_quota
         assert charged(last) == 3  # the request given up counted, on either backend
         row = await s.usage(3)
         assert row["requests"] == 3
-        assert row["estimated_requests"] == 2  # the other two reached the upstream
+        assert row["estimated_requests"] == 3  # none had the upstream's usage
         prompt = int(last.headers["x-compaction-tokens-after"])
-        assert row["prompt_tokens_forwarded"] == 2 * prompt  # none for the one given up
-        assert len(s.upstream.seen) == 2
+        assert row["prompt_tokens_forwarded"] == 3 * prompt
+        assert len(s.upstream.seen) == 2  # the one given up never reached it
 
 
 async def test_a_request_given_up_while_its_redis_verdict_is_on_its_way_counts_in_usage(
     redis_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Redis ran the charge script (its reply is held in a relay) when the client left; the
-    proxy asks again under the charge's id and gets the verdict the script stored."""
+    """Redis ran the charge script (its reply is held in a relay) when the client left: the
+    charge's own task goes on waiting, reads the verdict once it comes, and usage counts
+    the request (no tokens: it never went upstream)."""
     caplog.set_level(logging.INFO, logger="proxy.exchange")
     relay = HoldingRelay()
     url = await relay.start()
     quota = {"backend": "redis", "redis_url": url, "key_prefix": redis_prefix}
     try:
         async with served({**quota, "socket_timeout_s": 10}) as s:
-            assert (await s.chat()).status_code == 200  # the charge line is open
+            assert (await s.chat()).status_code == 200
             relay.hold = True
             writer = await s.open_chat()
             await until(lambda: relay.held > 0)  # Redis has counted it

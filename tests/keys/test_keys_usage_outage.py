@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from proxy.quota.ledger import USAGE_FIELDS
+from proxy.quota.ledger import UsageCounts
 from proxy.quota.redis import _RECORD_LUA, RedisLedger
 from proxy.quota.windows import day_of
 from proxy.store.connect import connect
@@ -96,7 +96,7 @@ class _Rig:
         self.now[0] += 2.0  # past the ledger's back-off after a failure (1 s)
         await self.meter.flush()
 
-    async def used(self, key_id: str = "k") -> dict[str, dict[str, int]]:
+    async def used(self, key_id: str = "k") -> dict[str, UsageCounts]:
         """Per model, what Redis holds (read directly, not through the relay)."""
         ledger = RedisLedger(connect(REDIS_URL, socket_timeout_s=2), self.ledger.prefix)
         try:
@@ -104,7 +104,7 @@ class _Rig:
             rows = await ledger.usage([key_id], day, day)
         finally:
             await ledger.close()
-        return {row.model: {k: v for k, v in row.counts.items() if v} for row in rows}
+        return {row.model: row.counts for row in rows}
 
     async def close(self) -> None:
         self.relay.down()
@@ -112,8 +112,8 @@ class _Rig:
         await self.ledger.close()
 
 
-def _counts(requests: int, tokens: int) -> dict[str, int]:
-    return {"requests": requests, "prompt_tokens_forwarded": tokens, "cost_nano_usd": 5 * tokens}
+def _counts(requests: int, tokens: int) -> UsageCounts:
+    return UsageCounts(requests=requests, prompt_tokens_forwarded=tokens, cost_nano_usd=5 * tokens)
 
 
 @pytest.fixture
@@ -127,15 +127,15 @@ async def rig(redis_prefix: str) -> Any:
 
 async def test_usage_written_during_an_outage_appears_once_after_redis_returns(rig: _Rig) -> None:
     meter = rig.meter
-    rig.meter.record("k", "gpt-4o", _counts(1, 100))
+    rig.meter.add("k", "gpt-4o", _counts(1, 100))
     await rig.flush()
     assert await rig.used() == {"gpt-4o": _counts(1, 100)}  # Redis up: written at once
     rig.relay.down()
-    meter.record("k", "gpt-4o", _counts(2, 300))
-    meter.record("k", "gpt-4o-mini", _counts(1, 50))
+    meter.add("k", "gpt-4o", _counts(2, 300))
+    meter.add("k", "gpt-4o-mini", _counts(1, 50))
     for _ in range(3):  # three flushes while Redis is away: nothing is lost, nothing written
         await rig.flush()
-        meter.record("k", "gpt-4o", _counts(1, 10))  # usage goes on during the outage
+        meter.add("k", "gpt-4o", _counts(1, 10))  # usage goes on during the outage
     assert meter.held_rows >= 1
     assert await rig.used() == {"gpt-4o": _counts(1, 100)}
     await rig.relay.start()
@@ -153,7 +153,7 @@ async def test_shutdown_with_redis_away_says_what_was_not_written(
 ) -> None:
     rig.relay.down()
     for model in ("a", "b", "c"):
-        rig.meter.record("k", model, _counts(2, 10))
+        rig.meter.add("k", model, _counts(2, 10))
     rig.now[0] += 2.0
     with caplog.at_level(logging.WARNING, logger="proxy.usage"):
         await rig.meter.join()  # one held after the failed write, two unsent behind it
@@ -169,11 +169,11 @@ async def test_a_batch_that_landed_but_whose_reply_was_lost_is_not_counted_twice
     await direct.script_load(_RECORD_LUA)  # so the first send runs it (no NOSCRIPT first)
     await direct.aclose()
     rig.relay.lose_reply_then_down = True
-    rig.meter.record("k", "gpt-4o", _counts(2, 200))
+    rig.meter.add("k", "gpt-4o", _counts(2, 200))
     await rig.flush()
     assert rig.relay.lost and rig.meter.held_rows == 1
     assert await rig.used() == {"gpt-4o": _counts(2, 200)}  # it did land
-    rig.meter.record("k", "gpt-4o", _counts(1, 7))  # more usage while it is held
+    rig.meter.add("k", "gpt-4o", _counts(1, 7))  # more usage while it is held
     await rig.flush()  # still down
     await rig.relay.start()
     await rig.flush()
@@ -192,12 +192,12 @@ async def test_a_batch_that_landed_is_counted_once_however_long_redis_stays_away
     await direct.script_load(_RECORD_LUA)  # so the first send runs it (no NOSCRIPT first)
     await direct.aclose()
     rig.relay.lose_reply_then_down = True
-    rig.meter.record("k", "gpt-4o", _counts(2, 200))
+    rig.meter.add("k", "gpt-4o", _counts(2, 200))
     await rig.flush()
     assert rig.relay.lost and rig.meter.held_rows == 1
     [held] = rig.meter._held.values()
     for _ in range(3):
-        rig.meter.record("k", "gpt-4o", _counts(1, 7))
+        rig.meter.add("k", "gpt-4o", _counts(1, 7))
         rig.now[0] += 100.0  # the ledger's and the meter's clocks, minutes on
         await rig.flush()  # still down
         assert [row.record_id for row in rig.meter._held.values()] == [held.record_id]
@@ -225,7 +225,7 @@ async def test_rows_kept_for_an_outage_are_capped_counted_and_warned_once(
     with caplog.at_level(logging.WARNING, logger="proxy.usage"):
         for round_ in range(3):
             for model in ("m1", "m2", "m3", "m4", "m5"):
-                meter.record("team-a", f"{model}-{round_}", {"requests": 1})
+                meter.add("team-a", f"{model}-{round_}", UsageCounts(requests=1))
             now[0] += 2.0
             await meter.flush()
             assert meter.held_rows + len(meter._batch) <= 3
@@ -242,9 +242,5 @@ async def test_rows_kept_for_an_outage_are_capped_counted_and_warned_once(
     day = day_of(meter.clock())
     rows = await ledger.usage(["team-a"], day, day)
     assert sorted(row.model for row in rows) == ["m1-0", "m2-0", "m3-0"]
-    assert all(row.counts["requests"] == 1 for row in rows)
+    assert all(row.counts.requests == 1 for row in rows)
     relay.down()
-
-
-def test_usage_fields_start_with_requests() -> None:
-    assert USAGE_FIELDS[0] == "requests"  # the meter counts a dropped row's replies from it

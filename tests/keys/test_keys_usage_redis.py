@@ -8,13 +8,14 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from proxy.quota.ledger import UsageCounts
 from proxy.quota.redis import _RECORD_LUA, RedisLedger
 from proxy.quota.windows import windows_at
 from proxy.store.connect import connect
 from tests.keys.test_keys_quota import _LoseOneReply
 
 NOW = 1_800_000_010.0
-COUNTS = {"requests": 3, "prompt_tokens_sent": 1200, "completion_tokens": 40, "cost_nano_usd": 7}
+COUNTS = UsageCounts(requests=3, prompt_tokens_sent=1200, completion_tokens=40, cost_nano_usd=7)
 
 
 def _expected(times: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import respx
 
+from proxy.quota import UsageCounts
 from tests.keys.conftest import KEY_A, bearer, chat, history_chat, key_entry, keyed_settings
 from tests.upstream_fakes import is_summarizer_call
 
@@ -35,7 +36,7 @@ SUMMARY = {"choices": [{"message": {"role": "assistant", "content": "SUMMARY: ok
 EMPTY = {"choices": [{"message": {"role": "assistant", "content": ""}}]}
 
 
-async def usage_row(app: Any) -> dict[str, int]:
+async def usage_row(app: Any) -> UsageCounts:
     await app.state.meter.join()
     [row] = await app.state.meter.ledger.usage(None, "2000-01-01", "2100-01-01")
     return row.counts
@@ -55,10 +56,10 @@ async def test_a_request_refused_after_compaction_has_its_summary_in_usage(
     assert refused.status_code == 429
     assert refused.headers["x-compaction-summary-input-tokens"] == "500"
     counts = await usage_row(app)
-    assert counts["requests"] == 1  # as the quota counted: the refused one is not a request
-    assert counts["summarizer_prompt_tokens"] == 500  # but its summary was billed
-    assert counts["summarizer_completion_tokens"] == 20
-    assert counts["prompt_tokens_forwarded"] == 100
+    assert counts.requests == 1  # as the quota counted: the refused one is not a request
+    assert counts.summarizer_prompt_tokens == 500  # but its summary was billed
+    assert counts.summarizer_completion_tokens == 20
+    assert counts.prompt_tokens_forwarded == 100
 
 
 async def test_a_summarizer_reply_without_a_summary_is_in_usage(
@@ -73,10 +74,10 @@ async def test_a_summarizer_reply_without_a_summary_is_in_usage(
     assert reply.headers["x-compaction-status"] == "failed"
     assert reply.headers["x-compaction-reason"] == "summarizer_empty"
     counts = await usage_row(app)
-    assert counts["requests"] == 1
-    assert counts["summarizer_prompt_tokens"] == 500  # answered, so billed
-    assert counts["summarizer_completion_tokens"] == 20
-    assert counts["prompt_tokens_forwarded"] == 100
+    assert counts.requests == 1
+    assert counts.summarizer_prompt_tokens == 500  # answered, so billed
+    assert counts.summarizer_completion_tokens == 20
+    assert counts.prompt_tokens_forwarded == 100
 
 
 async def test_a_compacted_request_counts_its_summary_once(
@@ -89,4 +90,4 @@ async def test_a_compacted_request_counts_its_summary_once(
     )
     assert reply.headers["x-compaction-status"] == "compacted"
     counts = await usage_row(app)
-    assert (counts["requests"], counts["summarizer_prompt_tokens"]) == (1, 500)
+    assert (counts.requests, counts.summarizer_prompt_tokens) == (1, 500)

@@ -195,4 +195,4 @@ async def test_a_request_the_quota_refused_is_not_in_usage(
     assert codes == [200, 429, 429]
     await app.state.meter.join()
     rows = await app.state.meter.ledger.usage(None, "2000-01-01", "2100-01-01")
-    assert [row.counts["requests"] for row in rows] == [1]
+    assert [row.counts.requests for row in rows] == [1]
