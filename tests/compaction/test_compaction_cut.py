@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -37,7 +37,7 @@ class Clock:
         return self.now
 
 
-def MemoryStore(max_bytes: int, ttl_s: float, **options: Any) -> SummaryStore:  # noqa: N802
+def MemoryStore(max_bytes: int, ttl_s: float, **options: Any) -> SummaryStore:
     return SummaryStore(MemoryBackend(max_bytes, ttl_s, **options))
 
 

@@ -33,7 +33,7 @@ class Clock:
         return self.now
 
 
-def RedisStore(  # noqa: N802
+def RedisStore(
     url: str,
     key_prefix: str,
     *,

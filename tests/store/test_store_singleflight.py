@@ -20,7 +20,7 @@ from proxy.store import (
 from proxy.store.redis import RedisBackend
 
 
-def RedisStore(url: str, key_prefix: str, *, ttl_s: int, lock_ttl_s: float) -> SummaryStore:  # noqa: N802
+def RedisStore(url: str, key_prefix: str, *, ttl_s: int, lock_ttl_s: float) -> SummaryStore:
     return SummaryStore(RedisBackend(url, key_prefix, ttl_s), lock_ttl_s=lock_ttl_s)
 
 
