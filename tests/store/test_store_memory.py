@@ -83,6 +83,7 @@ async def test_byte_bound_evicts_oldest() -> None:
     assert backend.bytes_used <= backend.max_bytes
     assert await store.get(KEYS[0]) is None  # the oldest went
     assert [s.length for s in await store.lookup(KEYS, 10)] == [4, 3, 2]
+    assert backend._cache.present == {KEYS[1], KEYS[2], KEYS[3]}  # the probe set follows
 
 
 async def test_entry_bigger_than_the_bound_is_skipped() -> None:
@@ -102,6 +103,8 @@ async def test_ttl_with_injected_timer() -> None:
     clock.now = 60.5
     assert await store.lookup(KEYS, 10) == []
     assert len(backend_of(store)) == 0
+    await store.put(KEYS[1], summary(2))
+    assert backend_of(store)._cache.present == {KEYS[1]}  # the expired key left it too
 
 
 async def test_null_store() -> None:
