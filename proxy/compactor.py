@@ -227,7 +227,7 @@ class Compactor:
                 body["messages"] = spans.messages  # the same values, read from the same bytes
         if tools is None:
             tools = self.counter.count_tools(model, body)
-        decision = await self.decide(
+        decision = await self._decide(
             body["messages"],
             tokens,
             Job(
@@ -249,7 +249,7 @@ class Compactor:
         )
         return self._report(self._outcome(decision, tokens, budget), model, started)
 
-    async def decide(
+    async def _decide(
         self, messages: list[Message], tokens: int, job: Job, strategy: str | None = None
     ) -> Decision:
         """Run the strategy's stages on an over-budget (or forced) history."""
@@ -257,10 +257,10 @@ class Compactor:
             stages = self.stages_for(job.model, strategy)
         except ValueError as exc:  # a key's strategy that no longer loads
             return Decision("failed", "strategy_error", error=str(exc))
-        history = History(messages, tokens, self.described(messages, job))
+        history = History(messages, tokens, self._described(messages, job))
         return await compose(stages, history, job)
 
-    def described(self, messages: list[Message], job: Job) -> Described:
+    def _described(self, messages: list[Message], job: Job) -> Described:
         """The history's structure: from the session's previous turn plus the new messages
         (kept for its next turn), or described afresh."""
         cache = job.cache

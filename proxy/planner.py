@@ -141,16 +141,18 @@ class SummaryPlanner:
             """The summary of rest[:end], from the one of rest[:start]; the reply None: not
             paid here (another request or replica made it)."""
             paid: list[Summary] = []
+            readable = cut.readable(start, end)
 
             async def produce() -> StoredSummary:
                 async def keep_chunk(covered: int, partial: Summary) -> None:
-                    length = start + covered
+                    length = readable[covered - 1] + 1 if covered else start
                     if 0 < length < end and accept(length):
                         entry = _stored(partial, length, cut.ask_for(length), budget)
                         await self.store.put(keys[length - 1], entry)
 
+                span = [rest[i] for i in readable]
                 summary = await compaction.summarize_span(
-                    summarizer, rest[start:end], previous_summary=previous, on_chunk=keep_chunk
+                    summarizer, span, previous_summary=previous, on_chunk=keep_chunk
                 )
                 paid.append(summary)
                 return _stored(summary, end, cut.ask_for(end), budget)

@@ -78,6 +78,7 @@ class Described:
     result_index: list[int]  # for a result without id, which of its call's calls (by order)
     users: list[int]  # positions of user entries, ascending
     barrier: int = -1  # position of the last barrier entry (-1: none)
+    dropped: int = 0  # how many entries a summarizer never reads
     # What pairing the items after these needs: the latest position making each call id,
     # the latest position making any call and how many results without id followed it,
     # and results naming a call none of these made (a later call of that id binds them).
@@ -101,6 +102,7 @@ class Described:
         users, open_calls = list(self.users), dict(self.open_calls)
         pending = dict(self.pending)
         last_call, answered, barrier = self.last_call, self.answered, self.barrier
+        dropped = self.dropped
         for index, entry in enumerate(entries, len(self.entries)):
             partner.append(index)
             call_of.append(-1)
@@ -109,6 +111,8 @@ class Described:
                 users.append(index)
             if entry.span == "barrier":
                 barrier = index
+            elif entry.span == "drop":
+                dropped += 1
             if entry.calls:
                 for call_id in entry.calls:
                     if call_id:
@@ -140,6 +144,7 @@ class Described:
             result_index,
             users,
             barrier,
+            dropped,
             open_calls,
             last_call,
             answered,

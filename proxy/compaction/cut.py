@@ -80,6 +80,7 @@ class Cut:
     asks: tuple[int, ...] = ()  # user messages that may be carried verbatim after the summary
     stops: tuple[int, ...] = ()
     task_summarized: bool = False  # the first user message exceeded its cap: summarized
+    dropped: frozenset[int] = frozenset()  # never shown to a summarizer (reasoning items)
 
     @cached_property
     def rest(self) -> list[Message]:
@@ -94,6 +95,10 @@ class Cut:
     def latest(self) -> int:
         """The furthest the cut may move forward."""
         return self.stops[-1] if self.stops else self.length
+
+    def readable(self, start: int, end: int) -> list[int]:
+        """The positions of rest[start:end] a summarizer reads (not the dropped ones)."""
+        return [i for i in range(start, end) if i not in self.dropped]
 
     def ask_for(self, length: int) -> int | None:
         """The ask a summary of `rest[:length]` carries: the latest real ask, when the
@@ -148,6 +153,11 @@ def cut_messages(
         asks=tuple(a - start for a in plan.asks),
         stops=tuple(s - start for s in plan.stops),
         task_summarized=plan.task_summarized,
+        dropped=frozenset(
+            i - start for i, e in enumerate(described.entries) if i >= start and e.span == "drop"
+        )
+        if described.dropped
+        else frozenset(),
     )
 
 
@@ -175,21 +185,19 @@ def plan_cut(
     if keep_tokens is not None:
         index = min(index, _token_cut(partner, start, keep_tokens, count))
 
-    users = described.users[bisect_left(described.users, start) :]
-    candidates = [u for u in users if not entries[u].context]
-    task, task_summarized, first = None, False, None
-    if rules.task_max_tokens is not None:
-        first = candidates[0] if candidates else None
-        if first is not None:
-            if count(first, first + 1)[0] <= rules.task_max_tokens:
-                task = first
-            else:
-                task_summarized = first < index
+    # The task is the first user message that is not context; before a barrier it is in
+    # place already, and no later message takes its role.
+    first = next((u for u in described.users if not entries[u].context), None)
+    task, task_summarized = None, False
+    if rules.task_max_tokens is not None and first is not None and first >= start:
+        if count(first, first + 1)[0] <= rules.task_max_tokens:
+            task = first
+        else:
+            task_summarized = first < index
     asks: tuple[int, ...] = ()
     if rules.latest_user == "carry":
-        asks = tuple(
-            i for i in candidates if entries[i].ask and not (task_summarized and i == first)
-        )
+        users = described.users[bisect_left(described.users, start) :]
+        asks = tuple(i for i in users if entries[i].ask and not (task_summarized and i == first))
     stops = _clean_positions(partner, index, latest)
     # A span of nothing but carried messages has nothing to summarize: move on if possible.
     for position in (index, *stops):
