@@ -107,9 +107,9 @@ class SummaryPlanner:
         the body's session cache, whose chain of an earlier turn is extended.
         `reuse_only`: no summary may be paid for; the longest stored one that applies is
         used as it is, over budget or not (None: nothing stored applies)."""
-        rest = cut.rest
+        read = cut.read  # what the summaries stand for (the store hashes it)
         target, latest = cut.length, cut.latest
-        hashes = partial(chain_hashes, scope, namespace, rest[:latest], spans, session)
+        hashes = partial(chain_hashes, scope, namespace, read[:latest], spans, session)
         if spans is not None and len(spans.raw) <= HASH_ON_LOOP_BYTES:
             keys = hashes()
         else:  # canonical JSON of every message costs ~10 ms per 400 KB: not on the loop
@@ -150,7 +150,7 @@ class SummaryPlanner:
                         entry = _stored(partial, length, cut.ask_for(length), budget)
                         await self.store.put(keys[length - 1], entry)
 
-                span = [rest[i] for i in readable]
+                span = [read[i] for i in readable]
                 summary = await compaction.summarize_span(
                     summarizer, span, previous_summary=previous, on_chunk=keep_chunk
                 )
@@ -269,6 +269,7 @@ class SummaryStage:
             job.rules,
             keep_tokens=self.keep_tokens(messages, described, job),
             count=counting.range_of(messages),
+            source=history.source,
         )
         if not cut.to_compact:
             return StageResult(None, "skipped", "nothing_to_compact")

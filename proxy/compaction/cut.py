@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
@@ -81,10 +81,18 @@ class Cut:
     stops: tuple[int, ...] = ()
     task_summarized: bool = False  # the first user message exceeded its cap: summarized
     dropped: frozenset[int] = frozenset()  # never shown to a summarizer (reasoning items)
+    # What the summary reads and the store hashes for `rest`, item by item, when an earlier
+    # stage changed only the content of some items (masking): their original content.
+    source: list[Message] | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def rest(self) -> list[Message]:
         return [*self.to_compact, *self.to_preserve]
+
+    @property
+    def read(self) -> list[Message]:
+        """`rest` as the summary reads it (see `source`)."""
+        return self.rest if self.source is None else self.source
 
     @property
     def length(self) -> int:
@@ -137,8 +145,10 @@ def cut_messages(
     *,
     keep_tokens: int | None = None,
     count: CountRange | None = None,
+    source: list[Message] | None = None,
 ) -> Cut:
-    """`plan_cut` as a `Cut` of `messages` (which `described` describes)."""
+    """`plan_cut` as a `Cut` of `messages` (which `described` describes). `source`: what
+    `messages` stand for item by item, for the summary to read (see `Cut.source`)."""
     plan = plan_cut(described, rules, keep_tokens=keep_tokens, count=count)
     start, index = plan.start, plan.index
     pinned = list(messages[:start])
@@ -158,6 +168,7 @@ def cut_messages(
         )
         if described.dropped
         else frozenset(),
+        source=None if source is None else list(source[start:]),
     )
 
 

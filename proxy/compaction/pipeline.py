@@ -121,11 +121,15 @@ class Counting:
 @dataclass
 class History:
     """A history between stages: its messages, their prompt tokens (tools included) and,
-    once a stage asked, its description."""
+    once a stage asked, its description. `source`: when stages only changed the content of
+    some messages (masking), the history before them, message by message: a summary of a
+    span reads (and the store keys) what the client sent, so a later masking step never
+    invalidates a stored summary."""
 
     messages: list[Message]
     tokens: int
     described: Described | None = None
+    source: list[Message] | None = None
 
     def describe(self, format: Format) -> Described:
         if self.described is None or self.described.key != format.key:
@@ -202,7 +206,8 @@ class MaskStage:
             return StageResult(None, "skipped", "nothing_to_compact")
         tokens = await job.counting.request(messages)
         # Only tool outputs changed: the description holds for the masked history.
-        return StageResult(History(messages, tokens, described), masked=masked)
+        source = history.source or history.messages
+        return StageResult(History(messages, tokens, described, source), masked=masked)
 
 
 @dataclass(frozen=True)
