@@ -27,11 +27,13 @@ from proxy.compaction.chat_format import ChatFormat
 from proxy.compaction.conversation import Described, describe
 from proxy.compaction.cut import CutRules
 from proxy.compaction.mask import MaskCompaction, MaskOptions
+from proxy.compaction.offload import off_loop
 from proxy.compaction.pipeline import (
     Counting,
     History,
     Job,
     MaskStage,
+    MessageCounter,
     RewriteStage,
     Stage,
     compose,
@@ -64,30 +66,12 @@ log = logging.getLogger("proxy.compaction")
 _STAGES = 64  # rows of stages kept, one per (strategy, summarizer model): models are input
 
 
-class PromptCounter(Protocol):
-    """What the request path needs from token counting (proxy.tokens.TokenCounter)."""
+class PromptCounter(MessageCounter, Protocol):
+    """What the request path needs from token counting (proxy.tokens.TokenCounter): the
+    stages' counts, and whole requests."""
 
     @property
     def estimated(self) -> bool: ...
-
-    def count_text(self, model: str, text: str) -> int: ...
-
-    def count_message(self, model: str, message: Any, key: int | None = None) -> int: ...
-
-    def count_each(
-        self, model: str, messages: Sequence[Any], keys: Sequence[int | None] | None = None
-    ) -> list[int]: ...
-
-    async def acount_each(
-        self,
-        model: str,
-        messages: Sequence[Any],
-        keys: Sequence[int | None] | None = None,
-        *,
-        counted: int = 0,
-    ) -> list[int]: ...
-
-    def request_tokens(self, message_tokens: int, tools: int) -> int: ...
 
     def profile_key(self, model: str) -> str: ...
 
@@ -257,7 +241,8 @@ class Compactor:
             stages = self.stages_for(job.model, strategy)
         except ValueError as exc:  # a key's strategy that no longer loads
             return Decision("failed", "strategy_error", error=str(exc))
-        history = History(messages, tokens, self._described(messages, job))
+        described = await off_loop(len(messages), self._described, messages, job)
+        history = History(messages, tokens, described)
         return await compose(stages, history, job)
 
     def _described(self, messages: list[Message], job: Job) -> Described:

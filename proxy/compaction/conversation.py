@@ -9,6 +9,17 @@ API's items: `function_call` / `function_call_output` linked by `call_id`, `reas
 
 `describe` pairs results with calls once per history and extends an earlier description
 of a prefix (a session's previous turn, kept in its SessionCache) with only the new items.
+
+What an adapter for the Responses API's `input` items says, for instance: a `message` item
+has its `role` (a user message that is an `<environment_context>` block is `context`, never
+the task nor an ask); `function_call`, `custom_tool_call`, `local_shell_call` and any other
+`*_call` make the call `call_id`, and each `*_call_output` answers it; `reasoning` is
+`drop` (kept whole in the tail, never shown to a summarizer); `compaction` items and
+`item_reference`s are barriers (nothing before them is compacted again, nothing is split
+from what they precede); an unknown type is a barrier too, so it is never dropped. Its
+`masked` replaces an output's `output`; a summarizing strategy renders items through
+proxy/compaction/render.py, which reads chat messages: an adapter gives it the items'
+text the same way (a message's parts, a call's name and arguments).
 """
 
 from __future__ import annotations

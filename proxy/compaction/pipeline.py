@@ -24,6 +24,7 @@ from proxy.compaction.conversation import Described, Format, broken_pairs, descr
 from proxy.compaction.cut import CutRules
 from proxy.compaction.llm import SummarizerLLM
 from proxy.compaction.mask import MaskCompaction
+from proxy.compaction.offload import off_loop
 from proxy.compaction.protocol import Compaction, Summarizer, SummarizerError
 from proxy.jsonspans import Spans
 from proxy.report import NO_USAGE, Cache, Decision, Message, Status, Task, Usage
@@ -199,8 +200,12 @@ class MaskStage:
 
     async def run(self, history: History, job: Job) -> StageResult:
         described = history.describe(job.format)
-        messages, masked = self.strategy.mask(
-            history.messages, described, job.counting.range_of(history.messages)
+        messages, masked = await off_loop(
+            len(history.messages),
+            self.strategy.mask,
+            history.messages,
+            described,
+            job.counting.range_of(history.messages),
         )
         if not masked:
             return StageResult(None, "skipped", "nothing_to_compact")
