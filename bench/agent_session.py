@@ -4,15 +4,17 @@
 
 A simulated coding agent (system prompt, a task, then per turn an assistant tool call and a
 tool result of 50..1500 tokens, with a progress note and a new user message every 8-12 turns)
-sends its whole growing history every turn to the proxy (in-process, httpx.ASGITransport),
-budget 20k tokens. The upstream is a respx mock: forwarded calls get a short reply; summarizer
-calls get a 600-1200 token summary derived deterministically from their input, and report
+sends its whole growing history every turn to the proxy (in-process, httpx.ASGITransport).
+The upstream is a respx mock: forwarded calls get a short reply; summarizer calls get a
+600-1200 token summary derived deterministically from their input, and report
 `usage.prompt_tokens` = the o200k_base count of that input, so summarizer tokens are real.
 
-First table: per `compaction.strategy` x `keep_recent_ratio` (memory store) and "no proxy":
-over-budget turns, task kept, summarizer calls and tokens, forwarded tokens min / median /
-max, prefix stability and the dollar cost with prompt caching (see bench/README.md).
-`--shape coding|service` replays tests/replay.py's sessions instead.
+First tables, one per budget (`--budgets`, default 20k and 50k): per `compaction.strategy`
+(none, simple, structured, mask, hybrid; memory store) the turns over budget, forwarded
+tokens, summarizer calls and tokens, the share of turns whose request starts with the whole
+previous request (what a provider's prompt cache can reuse), the share of input billed as
+cached and the dollar cost with prompt caching (see bench/README.md). `--shape
+coding|service` replays tests/replay.py's sessions instead.
 
 Second table: no store (cache.backend "none": every over-budget turn re-summarizes), memory
 store, redis store (random key prefix, deleted afterwards). Goals: summarizer input tokens
@@ -630,18 +632,39 @@ def sawtooth(run: Run) -> str:
     return f"{values[0]:,} / {values[len(values) // 2]:,} / {values[-1]:,}"
 
 
+def cached_tokens(sent: Sequence[list[Message]]) -> tuple[int, int]:
+    """(input tokens billed as cached, all input tokens) over the forwarded requests."""
+    cached = total = 0
+    previous: list[Message] | None = None
+    for messages in sent:
+        tokens = chat_tokens(messages) if len(messages) < 8 else sum(map(message_tokens, messages))
+        cached += min(cached_prefix(previous, messages), tokens)
+        total += tokens
+        previous = messages
+    return cached, total
+
+
+def prefix_kept(sent: Sequence[list[Message]]) -> tuple[int, int]:
+    """(turns whose request starts with the whole request of the turn before, pairs)."""
+    kept = sum(b[: len(a)] == a for a, b in itertools.pairwise(sent))
+    return kept, max(len(sent) - 1, 0)
+
+
 def strategy_table(runs: list[Run], sessions: Sequence[list[Message]]) -> str:
+    """One column per run and one for the history sent unchanged ("none")."""
     baseline = dollars(sessions, 0, 0)
-    header = ["", *(r.mode for r in runs), "no proxy"]
+    header = ["", "none", *(r.mode for r in runs)]
     rows: list[list[str]] = [header]
 
-    def row(label: str, cell: Callable[[Run], str], base: str = "") -> None:
-        rows.append([label, *(cell(r) for r in runs), base])
+    def row(label: str, base: str, cell: Callable[[Run], str]) -> None:
+        rows.append([label, base, *(cell(r) for r in runs)])
 
+    over = sum(chat_tokens(m) > BUDGET for m in sessions)
+    row("turns over budget (as sent)", f"{over}", lambda r: f"{len(r.over)}")
     row(
-        "over-budget turns",
-        lambda r: f"{sum(t.tokens_after > BUDGET for t in r.over)} / {len(r.over)}",
-        f"{sum(chat_tokens(m) > BUDGET for m in sessions)}",
+        "  forwarded above budget",
+        f"{over}",
+        lambda r: f"{sum(t.tokens_after > BUDGET for t in r.turns)}",
     )
 
     def task_kept(r: Run) -> str:
@@ -649,20 +672,32 @@ def strategy_table(runs: list[Run], sessions: Sequence[list[Message]]) -> str:
         kept = sum(sessions[i][1] in r.forwarded[i] for i in over)
         return f"{kept} / {len(over)}"
 
-    row("task verbatim / over-budget turns", task_kept)
-    row("summarizer calls", lambda r: f"{r.summary_calls:,}", "0")
-    row("summarizer input tokens", lambda r: f"{r.summary_input:,}", "0")
-    row("forwarded min / median / max", sawtooth)
-    row("forwarded tokens, all turns", lambda r: f"{r.forwarded_tokens:,}")
+    row("  task verbatim", "all", task_kept)
+    none_tokens = sum(chat_tokens(m) for m in sessions)
+    row("forwarded tokens, all turns", f"{none_tokens:,}", lambda r: f"{r.forwarded_tokens:,}")
+    row("  vs none", "1.00x", lambda r: f"{r.forwarded_tokens / none_tokens:.2f}x")
+    row("forwarded min / median / max", "-", sawtooth)
+    row("summarizer calls", "0", lambda r: f"{r.summary_calls:,}")
+    row(
+        "summarizer tokens in / out",
+        "0 / 0",
+        lambda r: f"{r.summary_input:,} / {r.summary_output:,}",
+    )
 
     def stability(r: Run) -> str:
-        stable, pairs = r.prefix_stability()
-        return f"{stable / pairs:.1%}" if pairs else "-"
+        kept, pairs = prefix_kept(r.forwarded)
+        return f"{kept / pairs:.1%}" if pairs else "-"
 
-    row("prefix-stable pairs", stability, "100%")
+    row("prefix-stable turns", "100.0%", stability)
+
+    def cached_share(sent: Sequence[list[Message]]) -> str:
+        cached, total = cached_tokens(sent)
+        return f"{cached / total:.1%}" if total else "-"
+
+    row("input billed as cached", cached_share(sessions), lambda r: cached_share(r.forwarded))
     costs = {r.mode: dollars(r.forwarded, r.summary_input, r.summary_output) for r in runs}
-    row("est. cost, USD", lambda r: f"{costs[r.mode]:.3f}", f"{baseline:.3f}")
-    row("  vs no proxy", lambda r: f"{costs[r.mode] / baseline:.2f}x", "1.00x")
+    row("est. cost, USD", f"{baseline:.3f}", lambda r: f"{costs[r.mode]:.3f}")
+    row("  vs none", "1.00x", lambda r: f"{costs[r.mode] / baseline:.2f}x")
     widths = [max(len(line[i]) for line in rows) for i in range(len(header))]
     lines = []
     for index, line in enumerate(rows):
@@ -684,10 +719,12 @@ async def main(argv: list[str] | None = None) -> int:
         "--ratios",
         type=float,
         nargs="+",
-        default=[0.0, 0.5],
-        help="compaction.keep_recent_ratio values compared for each strategy",
+        default=[0.3],
+        help="compaction.keep_recent_ratio values compared for each summarizing strategy",
     )
-    parser.add_argument("--strategies", nargs="+", default=["simple", "structured"])
+    parser.add_argument(
+        "--strategies", nargs="+", default=["simple", "structured", "mask", "hybrid"]
+    )
     parser.add_argument(
         "--shape",
         choices=["agent", "coding", "service"],
@@ -695,14 +732,13 @@ async def main(argv: list[str] | None = None) -> int:
         help="agent: this file's session; coding / service: tests/replay.py's coding agent "
         "(160 calls, huge outputs, an injected complaint) or customer-service chat",
     )
-    parser.add_argument("--budget", type=int, default=20_000)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[20_000, 50_000])
     parser.add_argument(
         "--summary-tokens", type=int, nargs=2, default=list(SUMMARY_TOKENS), metavar=("MIN", "MAX")
     )
     parser.add_argument("--only-strategies", action="store_true", help="skip the store table")
     args = parser.parse_args(argv)
 
-    BUDGET = args.budget
     SUMMARY_TOKENS = (args.summary_tokens[0], args.summary_tokens[1])
     if args.shape == "agent":
         sessions = agent_session(args.turns, args.seed)
@@ -714,23 +750,28 @@ async def main(argv: list[str] | None = None) -> int:
     last = sessions[-1]
     outputs = [count(m["content"]) for m in last if m["role"] == "tool"]
     print(
-        f"session: {args.turns} turns, {len(last)} messages, "
+        f"session: {len(sessions)} turns, {len(last)} messages, "
         f"{sum(m['role'] == 'user' for m in last)} user messages, tool outputs "
         f"{min(outputs)}..{max(outputs)} tokens (mean {sum(outputs) / len(outputs):.0f}), "
-        f"final history ~{chat_tokens(last):,} tokens; budget {BUDGET:,}, model {MODEL}"
+        f"final history ~{chat_tokens(last):,} tokens; model {MODEL}"
     )
-    compared = []
-    for strategy in args.strategies:
-        for ratio in args.ratios:
-            mode = f"{strategy} r={ratio:g}"
-            compared.append(
-                await run_mode(mode, "memory", sessions, strategy=strategy, keep_recent_ratio=ratio)
-            )
-    print()
-    print("memory store, per strategy and compaction.keep_recent_ratio (r=0: the reference's")
-    print("2-message tail); forwarded tokens over the turns that were over budget:")
-    print()
-    print(strategy_table(compared, sessions))
+    for budget in args.budgets:
+        BUDGET = budget
+        compared = []
+        for strategy in args.strategies:
+            ratios = args.ratios if strategy != "mask" else [args.ratios[0]]
+            for ratio in ratios:
+                mode = strategy if len(ratios) == 1 else f"{strategy} r={ratio:g}"
+                compared.append(
+                    await run_mode(
+                        mode, "memory", sessions, strategy=strategy, keep_recent_ratio=ratio
+                    )
+                )
+        print()
+        print(f"budget {budget:,}, memory store, compaction.keep_recent_ratio {args.ratios}:")
+        print()
+        print(strategy_table(compared, sessions))
+    BUDGET = args.budgets[0]
     if args.only_strategies:
         return 0
     modes = [("no store", "none"), ("memory", "memory")]

@@ -12,7 +12,7 @@ step: the interpreter, each heavy import (the start-up's row names any of aiohtt
 that got imported: neither should be), the settings, each BPE encoding (tiktoken keeps
 its tables in Rust, where tracemalloc cannot see them, so RSS deltas are the measure), the
 app, its start-up warm-up, then the count memo filled to its configured cap (and, for
-comparison, the cachetools LRUCache it replaced), and the chain memo at its byte bound.
+comparison, the cachetools LRUCache it replaced).
 Each import is measured in import order, so a module shared with an earlier one is counted
 there. `snapshot` is tracemalloc's view once the app is up: Python's own allocations by
 package (imports' code and data included; the Rust BPE tables are not there).
@@ -147,17 +147,6 @@ def breakdown(args: argparse.Namespace) -> None:
     rows[-1][3] = f"{float(rows[-1][2]) * 1048576 / len(lru):.0f} B/entry"
     del lru
     _dropped("(before) LRUCache dropped", step)
-
-    from proxy.store.chain import ChainMemo
-
-    for links in (1000, 1):  # a long history's chain; one-link chains, the most entries
-        chains = ChainMemo()
-        for i in range(200_000):
-            chains.put(i.to_bytes(8, "little"), [i], bytes(32 * links), replaces=0)
-        step(f"chain memo at its bound, {links}-link chains ({len(chains):,} entries)")
-        rows[-1][3] = "the worst case" if links == 1 else "long sessions"
-        del chains
-        _dropped("chain memo dropped", step)
 
     print(f"\nmemory breakdown (VmRSS MB, this process; started at {first:.1f} MB)")
     harness.print_table(["step", "VmRSS", "delta", "note"], rows)

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from proxy import jsonbytes
 from proxy.auth import Caller, ProxyKey, check_model
 from proxy.compaction.protocol import Spend
-from proxy.compactor import Control, model_of
+from proxy.compactor import Control, compaction_error, model_of
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
 from proxy.jsonspans import Parsed, Spans
@@ -53,6 +53,8 @@ async def chat_completions(request: Request) -> Response:
                 spend=None if tap is None else tap.spend,
             )
         )
+        if outcome.rejected:  # failed under on_error = "reject"
+            raise compaction_error(outcome)
         tokens = exchange.record.tokens_after
         if tokens is None and state.quotas.counts_tokens(caller.key):  # not counted (mode off)
             tokens = await state.counter.acount_request(body)

@@ -1,86 +1,77 @@
-"""The compaction step of the request path: decide, compact, and say what happened.
+"""The compaction step of the request path: count, decide, compact, and say what happened.
 
-It owns the policy (budget, per-request control headers, no-progress guard, failure policy)
-and returns it as a `Decision`; the algorithm lives behind the `Compaction` protocol in
-proxy/compaction/ (the strategy `compaction.strategy` names), the store logic in the planner.
+`Compactor.run` is the one entry point (the chat handler and the replay tool call it). It
+owns the policy (budget, per-request control headers, the strategies to run, the failure
+policy) and returns it as a value, an `Outcome`: it never raises for a failed compaction
+and never answers HTTP. Under `compaction.on_error = "reject"` a failed outcome says
+`rejected`, and the handler answers `compaction_error(outcome)`.
+
+The strategies run as stages (proxy/compaction/pipeline.py): masking and a user's own
+`compact` as they are, summarizing strategies through the summary store (proxy/planner.py).
+Metrics hear about decisions and summarizer calls through the `CompactionObserver` given,
+so this module imports nothing of the web layer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal, Protocol
 
 import httpx
 
-from proxy.compaction.cut import CutRules, message_keys
+from proxy.compaction.chat_format import ChatFormat
+from proxy.compaction.conversation import Described, describe
+from proxy.compaction.cut import CutRules
+from proxy.compaction.mask import MaskCompaction, MaskOptions
 from proxy.compaction.offload import off_loop
+from proxy.compaction.pipeline import (
+    Counting,
+    History,
+    Job,
+    MaskStage,
+    MessageCounter,
+    RewriteStage,
+    Stage,
+    compose,
+)
 from proxy.compaction.protocol import (
     Compaction,
-    Cut,
     Message,
     Spend,
     Summarizer,
     SummarizerError,
+    Summarizing,
     Summary,
 )
 from proxy.compaction.strategies import (
-    BUILT_IN,
-    StrategyFactory,
+    Loaded,
     StrategyOptions,
+    fingerprint_for,
     load_strategy,
+    stage_names,
 )
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
 from proxy.jsonspans import Parsed, Spans, spans_of
-from proxy.metrics import Metrics
-from proxy.planner import Budget, SummaryPlanner
-from proxy.report import Cache, Decision, Outcome
+from proxy.planner import SummaryOptions, SummaryPlanner, SummaryStage
+from proxy.report import Decision, Outcome
 from proxy.settings import ConfigError, Settings
-from proxy.store import (
-    CHAIN_VERSION,
-    ChainMemo,
-    NullStore,
-    SummaryFlight,
-    SummaryStore,
-    namespace_for,
-)
+from proxy.store import CHAIN_VERSION, NullStore, SummaryFlight, SummaryStore, namespace_for
 
 log = logging.getLogger("proxy.compaction")
-_NAMESPACES = 1024  # (summarizer model, strategy fingerprint) pairs whose namespace is kept
-_COMPACTIONS = 64  # built-in strategy objects kept, one per summarizer model and options
-_BUILT_IN_FACTORIES = tuple(BUILT_IN.values())
-_SPANS_COUNTS = 2  # count profiles (encodings) whose counts a body keeps (turnmemo's bound)
+_STAGES = 64  # rows of stages kept, one per (strategy, summarizer model): models are input
 
 
-class PromptCounter(Protocol):
-    """What the request path needs from token counting (proxy.tokens.TokenCounter)."""
+class PromptCounter(MessageCounter, Protocol):
+    """What the request path needs from token counting (proxy.tokens.TokenCounter): the
+    stages' counts, and whole requests."""
 
     @property
     def estimated(self) -> bool: ...
-
-    def count_text(self, model: str, text: str) -> int: ...
-
-    def count_message(self, model: str, message: Any, key: int | None = None) -> int: ...
-
-    def count_each(
-        self, model: str, messages: Sequence[Any], keys: Sequence[int | None] | None = None
-    ) -> list[int]: ...
-
-    async def acount_each(
-        self,
-        model: str,
-        messages: Sequence[Any],
-        keys: Sequence[int | None] | None = None,
-        *,
-        counted: int = 0,
-    ) -> list[int]: ...
-
-    def request_tokens(self, message_tokens: int, tools: int) -> int: ...
 
     def profile_key(self, model: str) -> str: ...
 
@@ -93,6 +84,16 @@ class PromptCounter(Protocol):
     ) -> int: ...
 
     def close(self) -> None: ...
+
+
+class CompactionObserver(Protocol):
+    """Told what the compaction step did (proxy.metrics.Metrics is one)."""
+
+    def observe(self, outcome: Outcome, seconds: float) -> None: ...
+
+    def summarizer_call(self, seconds: float | None, failure: str | None) -> None: ...
+
+    def breaker_changed(self, state: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -109,77 +110,15 @@ def model_of(body: dict[str, Any]) -> str:
     return model if isinstance(model, str) else ""
 
 
-@dataclass(frozen=True)
-class MessageCounts:
-    """The tokens of one of a request's messages (`count`) or of many at once (`each`, one
-    memo lookup for all: the cut walks the recent tail with it). A client message's count
-    comes from `counts` (each of the body's messages, by position) when known."""
-
-    counter: PromptCounter
-    model: str
-    spans: Spans | None  # the messages' own keys, when their bytes are known
-    counts: Sequence[int] | None = None  # the tokens of each of spans.messages
-
-    def __call__(self, message: Message) -> int:
-        if self.spans is None:
-            return self.counter.count_message(self.model, message)
-        index = self.spans.index_of(message)
-        if index is not None and self.counts is not None:
-            return self.counts[index]
-        key = None if index is None else self.spans.keys()[index]
-        return self.counter.count_message(self.model, message, key)
-
-    def each(self, messages: Sequence[Message]) -> list[int]:
-        if self.spans is None:
-            return self.counter.count_each(self.model, messages)
-        if self.counts is not None:
-            first = self.spans.run_of(messages)
-            if first is not None:
-                return list(self.counts[first : first + len(messages)])
-        return self.counter.count_each(self.model, messages, self.spans.keys_for(messages))
-
-    async def listed(self, messages: Sequence[Message]) -> int:
-        """The sum of the counts of `messages`: the client's from `counts`, the others (a
-        summary) from the counter."""
-        if self.spans is None or self.counts is None:
-            keys = None if self.spans is None else self.spans.keys_for(messages)
-            return sum(await self.counter.acount_each(self.model, messages, keys))
-        counts, index_of = self.counts, self.spans.index_of
-        total = 0
-        others = []
-        for message in messages:
-            index = index_of(message)
-            if index is None:
-                others.append(message)
-            else:
-                total += counts[index]
-        if others:
-            total += sum(await self.counter.acount_each(self.model, others, counted=total))
-        return total
-
-
-@dataclass(frozen=True)
-class Job:
-    """One over-budget (or forced) request, as the policy sees it."""
-
-    body: dict[str, Any]
-    model: str
-    summarizer_model: str
-    tokens: int
-    budget: int
-    force: bool
-    client_headers: dict[str, str]
-    scope: str | None  # the summary store tenant (None: no store)
-    strategy: str | None = None  # None: compaction.strategy
-    spans: Spans | None = None  # where body["messages"] are in the client's bytes
-    tools: int | None = None  # the tokens of the body's tool definitions (None: not counted)
-    counts: Sequence[int] | None = None  # the tokens of each of spans.messages
-    spend: Spend | None = None  # what its summarizer calls cost, as they answer
-
-    @property
-    def messages(self) -> list[Message]:
-        messages: list[Message] = self.body["messages"]
-        return messages
+def compaction_error(outcome: Outcome) -> ProxyError:
+    """The 502 a handler answers for an outcome that says `rejected`."""
+    return ProxyError(
+        502,
+        f"Compaction failed ({outcome.reason}): {outcome.error}",
+        type="upstream_error",
+        code="compaction_failed",
+        headers=outcome.headers(),
+    )
 
 
 class Compactor:
@@ -189,39 +128,34 @@ class Compactor:
         counter: PromptCounter,
         client: httpx.AsyncClient,
         store: SummaryStore,
-        metrics: Metrics,
+        observer: CompactionObserver | None = None,
     ) -> None:
         """Raises ConfigError when `compaction.strategy` cannot be loaded."""
         self.settings = settings
         self.counter = counter
         self.client = client
         self.store = store
-        self.metrics = metrics
-        self.planner = SummaryPlanner(store, SummaryFlight(store), ChainMemo())
+        self.observer = observer
+        self.planner = SummaryPlanner(store, SummaryFlight(store))
         unstored = NullStore()
         self.unstored_planner = SummaryPlanner(unstored, SummaryFlight(unstored))
-        summarizer = settings.compaction.summarizer
+        config = settings.compaction
+        summarizer = config.summarizer
         self.breaker = CircuitBreaker(
             summarizer.breaker_failures,
             summarizer.breaker_cooldown_s,
-            on_change=metrics.breaker_changed,
+            on_change=None if observer is None else observer.breaker_changed,
         )
-        self._other_strategies: dict[str, StrategyFactory] = {}
-        self._namespaces: dict[tuple[str, str], str] = {}
-        # Built-in strategies hold nothing of a request: one per (summarizer model, options),
-        # with its fingerprint (a JSON encoding and a hash) made once.
-        self._compactions: dict[tuple[object, ...], tuple[Compaction, str]] = {}
-        self._built_fingerprints: dict[int, tuple[Compaction, str]] = {}  # by id, held
-        config = settings.compaction
-        # One for the process: it remembers which user messages matched the injected patterns.
+        self.format = ChatFormat(tuple(config.injected_user_patterns))
         self.rules = CutRules(
             config.max_preserved_messages,
             "carry" if config.keep_last_user_message else "off",
             config.task_max_tokens if config.protect_task else None,
-            tuple(config.injected_user_patterns),
         )
+        self._loaded: dict[tuple[str, ...], tuple[Loaded, ...]] = {}
+        self._stages: dict[tuple[tuple[str, ...], str], tuple[Stage, ...]] = {}
         try:
-            self.strategy_factory = load_strategy(settings.compaction.strategy)
+            self.loaded = self._load(config.strategy)
         except ValueError as exc:
             raise ConfigError(f"invalid config: compaction.strategy: {exc}") from None
 
@@ -235,20 +169,24 @@ class Compactor:
         parsed: Parsed | None = None,
         spend: Spend | None = None,
     ) -> Outcome:
-        """`spend`: told what each summarizer call costs as it answers.
-        `client_headers`: what the summarizer call carries, as
-        `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant;
-        `parsed`: the client's bytes and where the messages are in them (proxy.jsonspans);
-        when the step runs and they are not known yet, they are found and `parsed.spans` set.
+        """Count `body` (a parsed chat completions request) and compact it when it is over
+        its budget (or `control` forces it). Returns what to forward and what happened; never
+        raises for a failed compaction (see `Outcome.rejected`).
 
-        Raises ProxyError (502) when compaction failed and `on_error = "reject"`."""
+        `control`: the request's `x-compaction*` headers (and its key's defaults);
+        `client_headers`: what a summarizer call carries, as
+        `headers.summarizer_request_headers` decided it; `scope`: the summary store tenant
+        (None: no store); `parsed`: the client's bytes and, once known, where its messages
+        are in them and the session's cache (proxy.jsonspans): kept messages are forwarded
+        as the client's bytes and a turn derives only what its new messages add. When they
+        are needed and not known yet, they are found and `parsed.spans` set (and
+        `body["messages"]` replaced by the same values read from those bytes). `spend`: told
+        what each summarizer call costs as it answers."""
         started = time.perf_counter()
         config = self.settings.compaction
         model = model_of(body)
         if control.mode == "off" or not config.enabled:  # nothing to decide: not even counted
-            outcome = Outcome(status="off")
-            self.metrics.observe(outcome, time.perf_counter() - started)
-            return outcome
+            return self._report(Outcome(status="off"), model, started)
         spans = parsed.spans if parsed is not None else None
         if spans is not None and body.get("messages") is not spans.messages:
             spans = parsed = None  # not this body's messages
@@ -262,138 +200,87 @@ class Compactor:
             tokens = await self.counter.acount_request(body)
         budget = control.budget or config.budget_for(model)
         force = control.mode == "force"
-        if (tokens > budget or force) and parsed is not None and spans is None:
+        if not (tokens > budget or force):
+            return self._report(
+                self._outcome(Decision("passthrough"), tokens, budget), model, started
+            )
+        if parsed is not None and spans is None:
             # The store keys hash the client's bytes of each message, whatever the body's size.
             spans = parsed.spans = await spans_of(parsed.raw)
             if spans is not None:
                 body["messages"] = spans.messages  # the same values, read from the same bytes
-        if tokens > budget or force:
-            job = Job(
-                body,
-                model,
-                config.summarizer.model or model,
-                tokens,
-                budget,
-                force,
-                client_headers,
-                scope,
-                control.strategy,
-                spans,
-                tools,
-                counts,
-                spend,
-            )
-            decision = await self.decide(job)
-        else:
-            decision = Decision("passthrough")
-        outcome = Outcome.of(
-            decision, tokens_before=tokens, budget=budget, estimated=self.counter.estimated
+        if tools is None:
+            tools = self.counter.count_tools(model, body)
+        decision = await self._decide(
+            body["messages"],
+            tokens,
+            Job(
+                model=model,
+                budget=budget,
+                force=force,
+                counting=Counting(self.counter, model, tools, spans, counts),
+                summarizer=_Deferred(
+                    partial(self.summarizer_for, self._summarizer_model(model), client_headers),
+                    spend,
+                ),
+                format=self.format,
+                rules=self.rules,
+                scope=scope,
+                spans=spans,
+                cache=None if spans is None else spans.cache,
+            ),
+            control.strategy,
         )
+        return self._report(self._outcome(decision, tokens, budget), model, started)
+
+    async def _decide(
+        self, messages: list[Message], tokens: int, job: Job, strategy: str | None = None
+    ) -> Decision:
+        """Run the strategy's stages on an over-budget (or forced) history."""
+        try:
+            stages = self.stages_for(job.model, strategy)
+        except ValueError as exc:  # a key's strategy that no longer loads
+            return Decision("failed", "strategy_error", error=str(exc))
+        described = await off_loop(len(messages), self._described, messages, job)
+        history = History(messages, tokens, described)
+        return await compose(stages, history, job)
+
+    def _described(self, messages: list[Message], job: Job) -> Described:
+        """The history's structure: from the session's previous turn plus the new messages
+        (kept for its next turn), or described afresh."""
+        cache = job.cache
+        if cache is None or job.spans is None or messages is not job.spans.messages:
+            return describe(self.format, messages)
+        known = cache.described if isinstance(cache.described, Described) else None
+        described = describe(self.format, messages, known)
+        cache.described = described
+        return described
+
+    def _outcome(self, decision: Decision, tokens: int, budget: int) -> Outcome:
+        rejected = decision.status == "failed" and self.settings.compaction.on_error == "reject"
+        return Outcome.of(
+            decision,
+            tokens_before=tokens,
+            budget=budget,
+            estimated=self.counter.estimated,
+            rejected=rejected,
+        )
+
+    def _report(self, outcome: Outcome, model: str, started: float) -> Outcome:
         seconds = time.perf_counter() - started
-        if decision.status != "passthrough":
+        outcome = replace(outcome, seconds=seconds)
+        if outcome.status not in ("passthrough", "off"):
             self.log_decision(outcome, model, seconds)
-        self.metrics.observe(outcome, seconds)
-        if decision.status == "failed" and config.on_error == "reject":
-            raise ProxyError(
-                502,
-                f"Compaction failed ({decision.reason}): {decision.error}",
-                type="upstream_error",
-                code="compaction_failed",
-                headers=outcome.headers(),
-            )
+        if self.observer is not None:
+            self.observer.observe(outcome, seconds)
         return outcome
 
-    async def decide(self, job: Job) -> Decision:
-        """Over budget (or forced): skip when compaction can't help, else plan and compact."""
-        config = self.settings.compaction
-        compaction = self.compaction_for(job.summarizer_model, job.strategy)
-
-        spans = job.spans
-        count_message = MessageCounts(self.counter, job.model, spans, job.counts)
-        tools = job.tools
-        if tools is None:
-            tools = self.counter.count_tools(job.model, job.body)
-
-        async def count(messages: list[Message]) -> int:
-            """The prompt tokens of the body with `messages` instead of its own."""
-            return self.counter.request_tokens(await count_message.listed(messages), tools)
-
-        with message_keys(None if spans is None else spans.keys_for, spans):
-            cut = await off_loop(
-                len(job.messages),
-                compaction.cut,
-                job.messages,
-                keep_tokens=self.keep_tokens(job, count_message, tools),
-                count=count_message,
-            )
-        if not cut.to_compact:
-            return Decision("skipped", "nothing_to_compact")
-        floor = await count(cut.forward(compaction.summary_message(""), cut.latest))
-        if not job.force and floor > job.budget and job.tokens - floor <= config.summary_max_tokens:
-            # Pinned + tools + protected + the minimum tail alone are over budget, and what a
-            # summary could replace is no larger than a summary may be: it cannot help.
-            return Decision("skipped", "preserved_over_budget")
-        planner, scope = self.planner, job.scope
-        if scope is None:  # no store: a scope of its own, so not even single flight is shared
-            planner, scope = self.unstored_planner, f"request:{uuid.uuid4().hex}"
-        try:
-            plan = await planner.plan(
-                cut,
-                compaction,
-                _Deferred(
-                    partial(self.summarizer_for, job.summarizer_model, job.client_headers),
-                    job.spend,
-                ),
-                scope=scope,
-                namespace=self.namespace(job.summarizer_model, compaction),
-                budget=Budget(
-                    job.budget,
-                    count,
-                    count_message,
-                    lambda text: self.counter.count_text(job.model, text),
-                ),
-                force=job.force,
-                spans=spans,
-            )
-        except SummarizerError as error:
-            cache: Cache | None = None if planner.store.available else "none"
-            return Decision("failed", error.reason, cache=cache, error=str(error))
-        if not job.force and plan.tokens >= job.tokens:
-            # The summary is longer than what it replaces: forward the original instead.
-            return Decision("skipped", "no_gain", cache=plan.cache, usage=plan.usage)
-        return Decision(
-            plan.status,
-            "over_budget" if plan.status == "over_budget" else None,
-            messages=plan.messages,
-            tokens_after=plan.tokens,
-            summarized=plan.summarized,
-            usage=plan.usage,
-            cache=plan.cache,
-            task=_task_state(cut, plan.summarized),
-        )
-
-    def keep_tokens(self, job: Job, count: MessageCounts, tools: int) -> int | None:
-        """How many tokens of recent messages to keep verbatim: `keep_recent_ratio` of the
-        budget, less what the pinned messages, the task, the tools and a summary need (a
-        summary is taken as `summary_max_tokens`, at most a quarter of the budget), so the
-        first summary made usually fits as it is. None: the reference's tail."""
-        config = self.settings.compaction
-        if config.keep_recent_ratio <= 0:
-            return None
-        summary = min(config.summary_max_tokens, job.budget // 4)
-        fixed = tools + summary
-        for message in job.messages:
-            fixed += count(message)
-            if isinstance(message, dict) and message.get("role") == "user":
-                break  # the task, the first user message, is the last one kept up front
-        room = job.budget - fixed
-        return max(0, min(round(config.keep_recent_ratio * job.budget), room))
-
     async def message_counts(self, model: str, spans: Spans) -> list[int]:
-        """The tokens of each of the body's messages: those of the body it extends from its
-        spans (kept by an earlier turn), the others counted (and kept for the next turn)."""
-        key = self.counter.profile_key(model)
-        kept = spans.counts.get(key)
+        """The tokens of each of the body's messages: those of the body it extends from the
+        session's cache (kept by an earlier turn), the others counted (and kept)."""
+        profile = self.counter.profile_key(model)
+        cache = spans.cache
+        kept = cache.counts.get(profile)
         total = len(spans.messages)
         if kept is not None and len(kept) == total:
             return kept
@@ -403,75 +290,77 @@ class Compactor:
         counts = known + await self.counter.acount_each(
             model, spans.messages[start:], keys[start:], counted=sum(known)
         )
-        if key not in spans.counts and len(spans.counts) >= _SPANS_COUNTS:
-            spans.counts.pop(next(iter(spans.counts)), None)  # the oldest profile's
-        spans.counts[key] = counts
+        cache.keep_counts(profile, counts)
         return counts
 
-    def namespace(self, summarizer_model: str, compaction: Compaction) -> str:
-        """Everything that shapes a summary's text: a change starts a new set of keys."""
-        fingerprint = self._fingerprint_of(compaction)
-        known = self._namespaces.get((summarizer_model, fingerprint))
-        if known is not None:
-            return known
-        if len(self._namespaces) >= _NAMESPACES:  # model names are client input
-            self._namespaces.clear()
-        namespace = self._namespaces[(summarizer_model, fingerprint)] = namespace_for(
+    # -- strategies ---------------------------------------------------------------------------
+
+    def _load(self, spec: str | Sequence[str]) -> tuple[Loaded, ...]:
+        names = stage_names(spec)
+        loaded = self._loaded.get(names)
+        if loaded is None:
+            loaded = self._loaded[names] = load_strategy(names, self.options(""))
+        return loaded
+
+    def stages_for(self, model: str, strategy: str | None = None) -> tuple[Stage, ...]:
+        """The stages of `strategy` (default `compaction.strategy`), made once per
+        summarizer model. Raises ValueError when a key's strategy does not load."""
+        summarizer_model = self._summarizer_model(model)
+        loaded = self.loaded if strategy is None else self._load(strategy)
+        key = (tuple(item.name for item in loaded), summarizer_model)
+        stages = self._stages.get(key)
+        if stages is None:
+            if len(self._stages) >= _STAGES:
+                self._stages.clear()
+            stages = self._stages[key] = tuple(
+                self._stage(item, summarizer_model) for item in loaded
+            )
+        return stages
+
+    def options(self, summarizer_model: str) -> StrategyOptions:
+        config = self.settings.compaction
+        mask = config.mask
+        return StrategyOptions(
+            summary_role=config.summary_role,
+            max_message_tokens=config.summarizer.max_message_tokens,
+            context_tokens=config.summarizer.context_tokens,
+            summary_max_tokens=config.summary_max_tokens,
+            custom_instruction=config.custom_instruction,
+            count_tokens=lambda text: self.counter.count_text(summarizer_model, text),
+            mask=MaskOptions(mask.keep_last, mask.clear_at_least, tuple(mask.exclude_tools)),
+        )
+
+    def _stage(self, loaded: Loaded, summarizer_model: str) -> Stage:
+        config = self.settings.compaction
+        strategy = loaded.factory(self.options(summarizer_model))
+        if loaded.kind == "mask":
+            assert isinstance(strategy, MaskCompaction)
+            mask = MaskCompaction(strategy.options, self.format)
+            return MaskStage(mask, loaded.name, mask.fingerprint)
+        if loaded.kind == "compact":
+            assert isinstance(strategy, Compaction)
+            fingerprint = fingerprint_for(loaded.name, strategy, config.fingerprints)
+            return RewriteStage(strategy, loaded.name, fingerprint)
+        assert isinstance(strategy, Summarizing)
+        fingerprint = strategy.fingerprint
+        namespace = namespace_for(
             model=summarizer_model,
-            base_url=self.settings.compaction.summarizer.base_url
-            or self.settings.upstream.base_url,
+            base_url=config.summarizer.base_url or self.settings.upstream.base_url,
             strategy=fingerprint,
             chain=CHAIN_VERSION,
         )
-        return namespace
-
-    def _fingerprint_of(self, compaction: Compaction) -> str:
-        built = self._built_fingerprints.get(id(compaction))
-        if built is not None and built[0] is compaction:
-            return built[1]
-        return compaction.fingerprint
-
-    def compaction_for(self, summarizer_model: str, strategy: str | None = None) -> Compaction:
-        config = self.settings.compaction
-        factory = self.strategy_factory
-        if strategy is not None and strategy != config.strategy:
-            factory = self._other_strategies.get(strategy) or self._other_strategies.setdefault(
-                strategy,
-                load_strategy(strategy),  # names were checked when the key was loaded
-            )
-        built_in = any(factory is known for known in _BUILT_IN_FACTORIES)
-        key: tuple[object, ...] = ()
-        if built_in:  # everything the options below are made of
-            key = (
-                factory,
-                summarizer_model,
-                config.summary_role,
-                config.summarizer.max_message_tokens,
-                config.summarizer.context_tokens,
-                config.summary_max_tokens,
-                config.custom_instruction,
-            )
-            kept = self._compactions.get(key)
-            if kept is not None:
-                return kept[0]
-        compaction = factory(
-            StrategyOptions(
-                rules=self.rules,
-                summary_role=config.summary_role,
-                max_message_tokens=config.summarizer.max_message_tokens,
-                context_tokens=config.summarizer.context_tokens,
-                summary_max_tokens=config.summary_max_tokens,
-                custom_instruction=config.custom_instruction,
-                count_tokens=lambda text: self.counter.count_text(summarizer_model, text),
-            )
+        return SummaryStage(
+            loaded.name,
+            strategy,
+            fingerprint,
+            namespace,
+            self.planner,
+            self.unstored_planner,
+            SummaryOptions(config.keep_recent_ratio, config.summary_max_tokens),
         )
-        if built_in:
-            if len(self._compactions) >= _COMPACTIONS:  # model names are client input
-                self._compactions.clear()
-                self._built_fingerprints.clear()
-            self._compactions[key] = (compaction, compaction.fingerprint)
-            self._built_fingerprints[id(compaction)] = self._compactions[key]
-        return compaction
+
+    def _summarizer_model(self, model: str) -> str:
+        return self.settings.compaction.summarizer.model or model
 
     def summarizer_for(self, model: str, client_headers: dict[str, str]) -> UpstreamSummarizer:
         """Defaults: the upstream's URL and the request's model; `client_headers` carry the
@@ -489,7 +378,7 @@ class Compactor:
             retries=config.retries,
             backoff_base_s=config.backoff_base_s,
             breaker=self.breaker,
-            on_result=self.metrics.summarizer_call,
+            on_result=None if self.observer is None else self.observer.summarizer_call,
         )
 
     def log_decision(self, outcome: Outcome, model: str, seconds: float) -> None:
@@ -505,6 +394,7 @@ class Compactor:
                 "tokens_after": outcome.tokens_after,
                 "budget": outcome.budget,
                 "messages_summarized": outcome.summarized,
+                "messages_masked": outcome.masked,
                 "summary_input_tokens": outcome.usage.input_tokens,
                 "summary_output_tokens": outcome.usage.output_tokens,
                 "cache": outcome.cache,
@@ -537,12 +427,3 @@ class _Deferred:
             raise
         spend.add(summary.usage)
         return summary
-
-
-def _task_state(cut: Cut, summarized: int) -> Literal["verbatim", "summarized"] | None:
-    """Whether the summary covered the first user message, and how it reached the model."""
-    if cut.task is not None and cut.task < summarized:
-        return "verbatim"
-    if cut.task_summarized:
-        return "summarized"
-    return None

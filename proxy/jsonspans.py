@@ -30,16 +30,16 @@ import hashlib
 import json
 import re
 import secrets
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import is_
-from typing import Any, cast
+from typing import Any
 
 import anyio.to_thread
 import orjson
 
 from proxy.jsonparse import TooManyItems
+from proxy.sessioncache import SessionCache
 
 _WS = rb"[ \t\n\r]*"
 _FIELD = re.compile(rb'"messages"' + _WS + rb":" + _WS + rb"(\[)" + _WS)
@@ -84,18 +84,10 @@ class Spans:
     # Found by the one-call fast path (`_whole_array`): a later body that extends this one
     # can be parsed from it (`extend_chat`) with the same answer.
     whole: bool = field(default=False, repr=False)
-    # Derived by the store's chain (proxy/store/chain.py) from these bytes: by (root, first
-    # message), the links and hex keys of a run of messages from there. A body extending
-    # this one starts with the same messages, so it starts with these (`extend_chat`).
-    chains: dict[tuple[bytes, int], tuple[bytes, list[str]]] = field(
-        default_factory=dict, repr=False
-    )
-    # The cut's tool pairing (proxy/compaction/cut.py) of messages[:n], never changed once
-    # set: a body extending this one starts with the same messages, so with it.
-    pairing: Any = field(default=None, repr=False)
-    # Each message's token count, by the counter's profile (proxy/compactor.py): a count is
-    # a function of the message's bytes, so a body extending this one starts with these.
-    counts: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    # What the compaction step derives from these messages (token counts, store chains, the
+    # conversation's structure), kept with the body for the session's next turn: a body
+    # extending this one starts with the same messages, so with these (`extend_chat`).
+    cache: SessionCache = field(default_factory=SessionCache, repr=False)
 
     def view(self, index: int) -> memoryview:
         return memoryview(self.raw)[self.starts[index] : self.ends[index]]
@@ -178,23 +170,6 @@ class Spans:
             parts.append(source[starts[first] : ends[last]])
         view = memoryview(content)
         return b"".join((view[: self.open], b"[", b",".join(parts), b"]", view[self.close :]))
-
-
-def key_prefix_digests(
-    keys: Sequence[int | None], lookback: int, root: bytes, person: bytes
-) -> list[bytes]:
-    """Digests of `root` + the packed keys of keys[:n - drop] for drop = 0..lookback, in one
-    pass over the keys (each prefix's state copied on the way): a key None packs as 0."""
-    whole = cast("Sequence[int]", keys) if None not in keys else [k or 0 for k in keys]
-    packed = memoryview(array("q", whole))
-    digest = hashlib.blake2b(root, digest_size=16, person=person)
-    digest.update(packed[: len(keys) - lookback])
-    digests = [digest.copy().digest()]
-    for end in range(len(keys) - lookback + 1, len(keys) + 1):
-        digest.update(packed[end - 1 : end])
-        digests.append(digest.copy().digest())
-    digests.reverse()
-    return digests
 
 
 @dataclass(eq=False)
@@ -428,20 +403,8 @@ def extend_chat(
     if index is not None:
         index = dict(index)
         index.update(zip(map(id, new), range(count, total), strict=True))
-    chains = dict(base.chains)  # runs of base's messages: the same here
     return body, Spans(
-        raw,
-        open_,
-        close,
-        starts,
-        ends,
-        messages,
-        keys,
-        index,
-        True,
-        chains,
-        base.pairing,
-        dict(base.counts),
+        raw, open_, close, starts, ends, messages, keys, index, True, base.cache.extended()
     )
 
 

@@ -1,5 +1,5 @@
-"""Plan an over-budget request with the summary store: reuse, extend, or summarize afresh,
-and keep the result within the budget.
+"""Summarize an over-budget history with the summary store: reuse, extend, or summarize
+afresh, and keep the result within the budget.
 
 A transparent proxy's client resends its whole history every turn. Summaries are stored by a
 chain hash of the prefix they cover, so a later request with the same prefix reuses one
@@ -14,11 +14,16 @@ stored summary is extended with only the new span. Cheapest first:
 Then the budget is a guarantee: while the result is over, the cut moves forward to a later
 clean boundary (`Cut.stops`) and the summary is extended over the messages it passed. When
 no boundary is left the result is `over_budget`: the smallest valid request, said so.
+
+`SummaryStage` is the step of the request path (proxy/compaction/pipeline.py) that runs a
+`Summarizing` strategy this way: it sizes the kept tail, cuts, decides whether a summary
+can help at all, and plans.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,18 +31,21 @@ from typing import Literal
 
 import anyio.to_thread
 
+from proxy.compaction.conversation import Described
+from proxy.compaction.cut import PINNED_ROLES, Cut, clean_lengths, cut_messages
+from proxy.compaction.offload import off_loop
+from proxy.compaction.pipeline import History, Job, StageError, StageResult
 from proxy.compaction.protocol import (
-    Compaction,
     CountMessage,
-    Cut,
-    Message,
     Summarizer,
+    SummarizerError,
+    Summarizing,
     Summary,
-    Usage,
 )
 from proxy.jsonspans import Spans
-from proxy.report import Cache
-from proxy.store import ChainMemo, StoredSummary, SummaryFlight, SummaryStore, chain_hashes
+from proxy.report import NO_USAGE, Cache, Message, Task, Usage
+from proxy.sessioncache import SessionCache
+from proxy.store import StoredSummary, SummaryFlight, SummaryStore, chain_hashes
 
 CountMessages = Callable[[list[Message]], Awaitable[int]]
 
@@ -59,6 +67,7 @@ class Plan:
     summarized: int  # messages of the history the summary stands for
     usage: Usage
     tokens: int  # prompt tokens of the request as forwarded
+    capped: bool = False  # a summary made here was cut to summary_max_tokens
 
 
 @dataclass(frozen=True)
@@ -72,39 +81,43 @@ class Budget:
 
 
 class SummaryPlanner:
-    def __init__(
-        self, store: SummaryStore, flight: SummaryFlight, memo: ChainMemo | None = None
-    ) -> None:
+    def __init__(self, store: SummaryStore, flight: SummaryFlight) -> None:
         self.store = store
         self.flight = flight
-        self.memo = memo
 
     async def plan(
         self,
         cut: Cut,
-        compaction: Compaction,
+        compaction: Summarizing,
         summarizer: Summarizer,
         *,
         scope: str,
         namespace: str,
         budget: Budget,
         force: bool,
+        accept: Callable[[int], bool],
         spans: Spans | None = None,
-    ) -> Plan:
+        session: SessionCache | None = None,
+        reuse_only: bool = False,
+    ) -> Plan | None:
         """Raises SummarizerError when a summary had to be made and could not be.
 
-        `spans`: where the client's messages are in its body, to hash their bytes."""
-        rest = cut.rest
+        `accept(k)`: may a summary of rest[:k] be used (it leaves every tool pair whole)?
+        `spans`: where the client's messages are in its body, to hash their bytes; `session`:
+        the body's session cache, whose chain of an earlier turn is extended.
+        `reuse_only`: no summary may be paid for; the longest stored one that applies is
+        used as it is, over budget or not (None: nothing stored applies)."""
+        read = cut.read  # what the summaries stand for (the store hashes it)
         target, latest = cut.length, cut.latest
-        hashes = partial(chain_hashes, scope, namespace, rest[:latest], spans, self.memo)
+        hashes = partial(chain_hashes, scope, namespace, read[:latest], spans, session)
         if spans is not None and len(spans.raw) <= HASH_ON_LOOP_BYTES:
             keys = hashes()
         else:  # canonical JSON of every message costs ~10 ms per 400 KB: not on the loop
             keys = await anyio.to_thread.run_sync(hashes)
         stored = [
             entry
-            for entry in await self.store.lookup_all(keys, latest)
-            if _starts_cleanly(rest, entry.length) and not (force and entry.length < target)
+            for entry in await self.store.lookup(keys, latest, accept)
+            if not (force and entry.length < target)
         ]
         miss: Cache = "miss" if self.store.available else "none"
 
@@ -116,33 +129,39 @@ class SummaryPlanner:
             messages = forward(entry.text, entry.length, entry.carried)
             tokens = await budget.count(messages)
             if tokens <= budget.tokens:
-                return Plan("reused", "hit", messages, entry.length, Usage(), tokens)
+                return Plan("reused", "hit", messages, entry.length, NO_USAGE, tokens)
+            if reuse_only:
+                return Plan("over_budget", "hit", messages, entry.length, NO_USAGE, tokens)
+        if reuse_only:
+            return None
 
         async def make(
             start: int, end: int, previous: str | None
-        ) -> tuple[StoredSummary, Usage | None]:
-            """The summary of rest[:end], from the one of rest[:start]; usage None: not paid
-            here (another request or replica made it)."""
+        ) -> tuple[StoredSummary, Summary | None]:
+            """The summary of rest[:end], from the one of rest[:start]; the reply None: not
+            paid here (another request or replica made it)."""
             paid: list[Summary] = []
+            readable = cut.readable(start, end)
 
             async def produce() -> StoredSummary:
                 async def keep_chunk(covered: int, partial: Summary) -> None:
-                    length = start + covered
-                    if 0 < length < end and _starts_cleanly(rest, length):
+                    length = readable[covered - 1] + 1 if covered else start
+                    if 0 < length < end and accept(length):
                         entry = _stored(partial, length, cut.ask_for(length), budget)
                         await self.store.put(keys[length - 1], entry)
 
+                span = [read[i] for i in readable]
                 summary = await compaction.summarize_span(
-                    summarizer, rest[start:end], previous_summary=previous, on_chunk=keep_chunk
+                    summarizer, span, previous_summary=previous, on_chunk=keep_chunk
                 )
                 paid.append(summary)
                 return _stored(summary, end, cut.ask_for(end), budget)
 
             made = await self.flight.run(keys[end - 1], produce)
-            return made, (paid[0].usage if paid else None)
+            return made, (paid[0] if paid else None)
 
-        usage = Usage()
-        paid = False
+        usage = NO_USAGE
+        paid = capped = False
         fresh = not stored  # no stored summary to start from
         base = next((e for e in stored if e.length < target), None)
         if stored and stored[0].length >= target:
@@ -152,7 +171,7 @@ class SummaryPlanner:
                 base.length if base else 0, target, base.text if base else None
             )
             if made is not None:
-                usage, paid = usage + made, True
+                usage, paid, capped = usage + made.usage, True, made.capped
         length, text = current.length, current.text
         messages = forward(text, length, current.carried)
         tokens = await budget.count(messages)
@@ -164,18 +183,18 @@ class SummaryPlanner:
                 break
             current, made = await make(length, step, text)
             if made is not None:
-                usage, paid = usage + made, True
+                usage, paid, capped = usage + made.usage, True, capped or made.capped
             length, text, steps = current.length, current.text, steps + 1
             messages = forward(text, length, current.carried)
             tokens = await budget.count(messages)
 
         cache: Cache = "hit" if not paid else miss if fresh else "partial"
         if tokens > budget.tokens:
-            return Plan("over_budget", cache, messages, length, usage, tokens)
+            return Plan("over_budget", cache, messages, length, usage, tokens, capped)
         if not paid:
             return Plan("reused", "hit", messages, length, usage, tokens)
         status: PlanStatus = "compacted" if fresh else "extended"
-        return Plan(status, cache, messages, length, usage, tokens)
+        return Plan(status, cache, messages, length, usage, tokens, capped)
 
 
 def _next_stop(
@@ -206,9 +225,129 @@ def _stored(summary: Summary, length: int, carried: int | None, budget: Budget) 
     return StoredSummary(summary.text, length, tokens, summary.usage, time.time(), carried)
 
 
-def _starts_cleanly(rest: list[Message], length: int) -> bool:
-    """A tail may not start with a tool result whose call the summary swallowed."""
-    if length >= len(rest):
-        return True
-    role = rest[length].get("role") if isinstance(rest[length], dict) else None
-    return role not in ("tool", "function")
+@dataclass(frozen=True)
+class SummaryOptions:
+    """What sizes the kept tail and says whether a summary can help."""
+
+    keep_recent_ratio: float = 0.3
+    summary_max_tokens: int = 2000
+
+
+class SummaryStage:
+    """A `Summarizing` strategy as a stage of the request path (see the module docstring).
+
+    `namespace`: everything that shapes its summaries (the store's keys start from it);
+    `planner` is used for requests with a store scope, `unstored` for the others."""
+
+    def __init__(
+        self,
+        name: str,
+        strategy: Summarizing,
+        fingerprint: str,
+        namespace: str,
+        planner: SummaryPlanner,
+        unstored: SummaryPlanner,
+        options: SummaryOptions,
+    ) -> None:
+        self.name = name
+        self.strategy = strategy
+        self.fingerprint = fingerprint
+        self.namespace = namespace
+        self.planner = planner
+        self.unstored = unstored
+        self.options = options
+
+    async def run(self, history: History, job: Job) -> StageResult:
+        messages = history.messages
+        described = history.describe(job.format)
+        counting = job.counting
+        cut = await off_loop(
+            len(messages),
+            cut_messages,
+            messages,
+            described,
+            job.rules,
+            keep_tokens=self.keep_tokens(messages, described, job),
+            count=counting.range_of(messages),
+            source=history.source,
+        )
+        if not cut.to_compact:
+            return StageResult(None, "skipped", "nothing_to_compact")
+        strategy = self.strategy
+        floor = await counting.request(cut.forward(strategy.summary_message(""), cut.latest))
+        # Pinned + tools + protected + the minimum tail alone are over budget, and what a
+        # summary could replace is no larger than a summary may be: no summary is paid for,
+        # but one already stored is used.
+        reuse_only = (
+            not job.force
+            and floor > job.budget
+            and history.tokens - floor <= self.options.summary_max_tokens
+        )
+        planner, scope = self.planner, job.scope
+        if scope is None:  # no store: a scope of its own, so not even single flight is shared
+            planner, scope = self.unstored, f"request:{uuid.uuid4().hex}"
+        start = len(cut.pinned)
+        clean = clean_lengths(described, start)
+        whole = len(described) - start
+        try:
+            plan = await planner.plan(
+                cut,
+                strategy,
+                job.summarizer,
+                scope=scope,
+                namespace=self.namespace,
+                budget=Budget(job.budget, counting.request, counting.message, counting.text),
+                force=job.force,
+                accept=lambda length: length >= whole or length in clean,
+                spans=job.spans,
+                session=job.cache,
+                reuse_only=reuse_only,
+            )
+        except SummarizerError as error:
+            cache: Cache | None = None if planner.store.available else "none"
+            raise StageError(error.reason, str(error), error.usage, cache) from None
+        if plan is None:
+            return StageResult(None, "skipped", "preserved_over_budget")
+        if plan.tokens >= history.tokens:
+            # The summary is longer than what it replaces: forward what came in instead.
+            return StageResult(None, "skipped", "no_gain", usage=plan.usage, cache=plan.cache)
+        return StageResult(
+            History(plan.messages, plan.tokens),
+            plan.status,
+            "summary_capped" if plan.capped else None,
+            usage=plan.usage,
+            cache=plan.cache,
+            summarized=plan.summarized,
+            task=_task_state(cut, plan.summarized),
+        )
+
+    def keep_tokens(self, messages: list[Message], described: Described, job: Job) -> int | None:
+        """How many tokens of recent messages to keep verbatim: `keep_recent_ratio` of what
+        remains of the budget after the tools, the pinned messages, the task (the messages
+        up to the first user message, inclusive) and the summary reserve
+        (`summary_max_tokens`, at most a quarter of the budget), so the first summary made
+        usually fits as it is. None: the reference's tail."""
+        ratio = self.options.keep_recent_ratio
+        if ratio <= 0:
+            return None
+        reserve = min(self.options.summary_max_tokens, job.budget // 4)
+        entries = described.entries
+        task = next((u for u in described.users if not entries[u].context), None)
+        if task is not None:
+            end = task + 1
+        else:  # no task: the pinned messages only
+            end = 0
+            while end < len(entries) and entries[end].role in PINNED_ROLES:
+                end += 1
+        fixed = sum(job.counting.each(messages[:end]))
+        room = job.budget - job.counting.tools - reserve - fixed
+        return max(0, round(ratio * room))
+
+
+def _task_state(cut: Cut, summarized: int) -> Task | None:
+    """Whether the summary covered the first user message, and how it reached the model."""
+    if cut.task is not None and cut.task < summarized:
+        return "verbatim"
+    if cut.task_summarized:
+        return "summarized"
+    return None

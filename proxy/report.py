@@ -1,15 +1,21 @@
-"""What the proxy did to a chat request, as `x-compaction-*` response headers."""
+"""What the compaction step decided for a request, as values: the ground floor.
+
+The compactor returns an `Outcome`; the web layer turns it into `x-compaction-*` response
+headers, the request record, metrics and usage. Nothing here imports the rest of the proxy,
+so every floor above may import it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from proxy.compaction.protocol import Message, Usage
+Message = dict[str, Any]  # one chat message, the client's own JSON object
 
-# passthrough: under budget; compacted / extended / reused: a summary is in the forwarded
-# request and the request is within the budget; over_budget: compacted as far as the
-# protected messages allow and still over; skipped / failed: forwarded unchanged (see reason).
+# passthrough: under budget; compacted / extended / reused: compacted and within the budget
+# (extended / reused: with a stored summary); over_budget: compacted as far as the protected
+# messages allow and still over; skipped: forwarded unchanged (see reason); failed: a stage
+# failed (see reason), forwarded as the stages before it left it (unchanged if none ran).
 Status = Literal[
     "passthrough", "compacted", "reused", "extended", "over_budget", "skipped", "failed", "off"
 ]
@@ -20,6 +26,22 @@ Task = Literal["verbatim", "summarized"]
 
 
 @dataclass(frozen=True)
+class Usage:
+    """Token usage of summarizer calls (as the summarizer's API reported it)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.input_tokens + other.input_tokens, self.output_tokens + other.output_tokens
+        )
+
+
+NO_USAGE = Usage()
+
+
+@dataclass(frozen=True)
 class Decision:
     """The compaction policy's answer. `messages is None` means: forward the original bytes."""
 
@@ -27,8 +49,9 @@ class Decision:
     reason: str | None = None
     messages: list[Message] | None = None
     tokens_after: int | None = None
-    summarized: int = 0
-    usage: Usage = field(default_factory=Usage)
+    summarized: int = 0  # messages of the history a summary stands for
+    masked: int = 0  # tool results whose content a stub replaced
+    usage: Usage = NO_USAGE
     cache: Cache | None = None  # None: no store was consulted
     task: Task | None = None
     error: str | None = None  # what failed, for an error reply (never in headers)
@@ -36,7 +59,10 @@ class Decision:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A decision with the request's numbers, as the response headers and the log report it."""
+    """A decision with the request's numbers, as the response headers and the log report it.
+
+    `rejected`: the step failed and `compaction.on_error = "reject"`: the handler answers
+    `compaction_error(outcome)` (proxy/compactor.py) instead of forwarding."""
 
     status: Status = "passthrough"
     messages: list[Message] | None = None
@@ -44,14 +70,27 @@ class Outcome:
     tokens_after: int | None = None
     budget: int | None = None
     summarized: int = 0
-    usage: Usage = field(default_factory=Usage)
+    masked: int = 0
+    usage: Usage = NO_USAGE
     reason: str | None = None
     cache: Cache | None = None
     estimated: bool = False
     task: Task | None = None
+    error: str | None = None
+    rejected: bool = False
+    seconds: float = 0.0  # time the step took, summarizer calls included
 
     @classmethod
-    def of(cls, decision: Decision, *, tokens_before: int, budget: int, estimated: bool) -> Outcome:
+    def of(
+        cls,
+        decision: Decision,
+        *,
+        tokens_before: int,
+        budget: int,
+        estimated: bool,
+        rejected: bool = False,
+        seconds: float = 0.0,
+    ) -> Outcome:
         return cls(
             status=decision.status,
             messages=decision.messages,
@@ -59,11 +98,15 @@ class Outcome:
             tokens_after=decision.tokens_after,
             budget=budget,
             summarized=decision.summarized,
+            masked=decision.masked,
             usage=decision.usage,
             reason=decision.reason,
             cache=decision.cache,
             estimated=estimated,
             task=decision.task,
+            error=decision.error,
+            rejected=rejected,
+            seconds=seconds,
         )
 
     def headers(self, overhead_ms: float | None = None) -> dict[str, str]:
@@ -75,6 +118,8 @@ class Outcome:
         if self.budget is not None:
             headers["x-compaction-budget"] = str(self.budget)
         headers["x-compaction-messages-summarized"] = str(self.summarized)
+        if self.masked:
+            headers["x-compaction-messages-masked"] = str(self.masked)
         headers["x-compaction-summary-input-tokens"] = str(self.usage.input_tokens)
         headers["x-compaction-summary-output-tokens"] = str(self.usage.output_tokens)
         if self.reason:
@@ -90,6 +135,5 @@ class Outcome:
         return headers
 
 
-# Before the compaction step has decided (or with no step at all): a plain passthrough. One
-# shared instance: Outcome is frozen, and making one costs a setattr per field.
+# Before the compaction step has decided (or with no step at all): a plain passthrough.
 PASSTHROUGH = Outcome()

@@ -34,7 +34,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from proxy.compaction.cut import DEFAULT_INJECTED
+from proxy.compaction.chat_format import DEFAULT_INJECTED
 from proxy.redact import has_userinfo, redact_url
 
 
@@ -182,14 +182,30 @@ class CompactionModelSettings(Section):
     budget_tokens: int | None = Field(None, gt=0)
 
 
+class MaskSettings(Section):
+    # Tool results older than the last `keep_last` are replaced by a stub...
+    keep_last: int = Field(5, ge=0)
+    # ...in steps that each clear at least this many tokens (the prompt stays the same, and
+    # the upstream's prompt cache valid, between steps).
+    clear_at_least: int = Field(4_000, ge=0)
+    # Tools whose results are never masked.
+    exclude_tools: list[str] = []
+
+
 class CompactionSettings(Section):
     enabled: bool = True
     budget_tokens: int = Field(100_000, gt=0)
-    # "simple" | "structured" | "package.module:Factory" (see proxy/compaction/strategies.py).
-    strategy: str = "simple"
+    # "simple" | "structured" | "mask" | "hybrid" | "package.module:Name", or a list of them
+    # applied in order while still over budget (see proxy/compaction/strategies.py).
+    strategy: str | list[str] = "simple"
+    # A `compact` strategy's fingerprint, by its name in `strategy` (else derived).
+    fingerprints: dict[str, str] = {}
+    mask: MaskSettings = MaskSettings()
     max_preserved_messages: int = Field(2, ge=0)
-    # Share of the budget kept as recent messages verbatim after a compaction (at least
-    # max_preserved_messages of them); 0: only the max_preserved_messages (the reference).
+    # Share of the budget kept as recent messages verbatim after a compaction, of what
+    # remains after the tools, the pinned messages, the task and the summary reserve (at
+    # least max_preserved_messages of them); 0: only the max_preserved_messages (the
+    # reference).
     keep_recent_ratio: float = Field(0.3, ge=0, lt=1)
     keep_last_user_message: bool = True
     # The first user message (the task) stays verbatim after the pinned messages...
@@ -204,6 +220,13 @@ class CompactionSettings(Section):
     custom_instruction: str = ""
     summarizer: SummarizerSettings = SummarizerSettings()
     models: dict[str, CompactionModelSettings] = {}
+
+    @field_validator("strategy")
+    @classmethod
+    def _check_strategy(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one strategy")
+        return value
 
     @field_validator("injected_user_patterns")
     @classmethod

@@ -15,9 +15,14 @@ Anything the cold parser could answer otherwise (messages the stdlib must read, 
 an error) is parsed cold. The message objects are shared between the requests of a session:
 nothing on the request path changes a message in place (the compaction step builds new lists).
 
+A kept body carries its session cache (proxy/sessioncache.py: token counts, store chains,
+the conversation's structure), so the turn that extends it derives only what its new
+messages add: this memo is the one owner of a session's derived state.
+
 Bounded: by bytes (`cache.turn_memo_bytes`: each entry counts the body it holds, twice the
-array's bytes for the parsed objects and 976 bytes a message for lists, keys, index, store
-chains, the cut's tool pairing and token counts; a 128k-token body of 481 KB costs ~1.8 MB),
+array's bytes for the parsed objects and 1,056 bytes a message for lists, keys, index, store
+chains, the conversation's entries and pairing, and token counts; a 128k-token body of
+481 KB costs ~1.8 MB),
 by age (`TTL_S`) and by `CANDIDATES` bodies per scope and head; the least recently used goes
 first. The table is empty until a request is kept. Scoped: entries of one tenant (the
 summary store's scope: credential hash or proxy key id) are never found by another, so a
@@ -42,9 +47,10 @@ CANDIDATES = 8
 # An entry unused this long goes (agents send their next turn within seconds or minutes).
 TTL_S = 600.0
 # Lists of spans and keys, the id index, each dict's own overhead (~350 bytes), and the
-# store chains a body keeps (2 of ~150 bytes: link, hex key), its tool pairing (~100 bytes:
-# a partner, call and result ids), its token counts (2 of ~40 bytes: a list slot, an int).
-_MESSAGE_OVERHEAD = 976
+# store chains a body keeps (2 of ~150 bytes: link, hex key), its entries and pairing (~180
+# bytes measured: an entry, a partner, a call position), its token counts (2 of ~40 bytes:
+# a list slot, an int).
+_MESSAGE_OVERHEAD = 1056
 _ENTRY_OVERHEAD = 1024
 
 _Key = tuple[str, int]

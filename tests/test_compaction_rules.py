@@ -103,10 +103,11 @@ def forwarded_tokens(counter: TokenCounter, fake: FakeUpstream) -> int:
 
 
 async def test_a_summary_too_big_for_the_tail_moves_the_cut_forward(
-    client: httpx.AsyncClient, fake: FakeUpstream, counter: TokenCounter
+    fake: FakeUpstream, counter: TokenCounter
 ) -> None:
-    fake.summary_text = "S " + "fact " * 1300  # with half the budget kept as tail: too big
-    response = await post(client, agent(30))
+    fake.summary_text = "S " + "fact " * 1300  # with three tool turns kept: too big
+    async with await open_client(keep_recent_ratio=0.6) as client:
+        response = await post(client, agent(30))
     headers = response.headers
     assert headers["x-compaction-status"] == "compacted"
     assert len(fake.summary_calls) == 2  # the first summary, then its extension
@@ -134,14 +135,15 @@ async def test_nothing_fits_is_over_budget_and_says_so(
 
 
 async def test_a_stored_summary_that_no_longer_fits_is_not_reused_silently(
-    client: httpx.AsyncClient, fake: FakeUpstream, counter: TokenCounter
+    fake: FakeUpstream, counter: TokenCounter
 ) -> None:
     fake.summary_text = "S " + "fact " * 600
     messages = agent(30)
-    first = await post(client, messages)
-    assert first.headers["x-compaction-status"] == "compacted"
-    # The same history under a smaller budget: the stored summary's result is over it.
-    again = await post(client, messages, **{"x-compaction-budget": "1400"})
+    async with await open_client(keep_recent_ratio=0.9) as client:
+        first = await post(client, messages)
+        assert first.headers["x-compaction-status"] == "compacted"
+        # The same history under a smaller budget: the stored summary's result is over it.
+        again = await post(client, messages, **{"x-compaction-budget": "1400"})
     status = again.headers["x-compaction-status"]
     after = int(again.headers["x-compaction-tokens-after"])
     assert after == forwarded_tokens(counter, fake)
@@ -226,18 +228,23 @@ async def test_the_latest_real_ask_is_carried_verbatim_after_the_summary(
 # -- the token-aware tail ---------------------------------------------------------------------
 
 
-async def test_the_tail_fills_the_kept_share_of_the_budget(
+async def test_the_tail_fills_the_kept_share_of_what_the_budget_leaves(
     fake: FakeUpstream, counter: TokenCounter
 ) -> None:
+    """keep_recent_ratio is a share of what remains of the budget after the tools, the
+    pinned messages, the task and the summary reserve (min(summary_max_tokens, budget/4))."""
     kept: dict[float, int] = {}
     for ratio in (0.0, 0.5):
         async with await open_client(keep_recent_ratio=ratio) as client:
             response = await post(client, agent(30))
         assert response.headers["x-compaction-status"] == "compacted"
         sent = fake.forwarded[-1]["messages"]
-        kept[ratio] = counter.count_messages("gpt-4o-mini", sent[3:])
+        kept[ratio] = sum(counter.count_each("gpt-4o-mini", sent[3:]))
+    tools = counter.count_tools("gpt-4o-mini", {"tools": TOOLS})
+    pinned_and_task = sum(counter.count_each("gpt-4o-mini", [SYSTEM, TASK]))
+    room = 2000 - tools - pinned_and_task - min(2000, 2000 // 4)
     assert kept[0.0] < 600  # two user/assistant messages: the last two calls and results
-    assert 1000 - 260 <= kept[0.5] <= 1000  # within one tool turn of half the budget
+    assert room // 2 - 260 <= kept[0.5] <= room // 2  # within one tool turn of half the room
 
 
 async def test_with_the_store_the_summary_is_reused_until_the_tail_outgrows_the_budget(
@@ -267,45 +274,39 @@ def test_the_store_namespace_is_the_strategys_fingerprint() -> None:
 
     def namespace(**compaction: Any) -> str:
         compactor = create_app(make_settings(compaction=compaction)).state.proxy.compactor
-        return str(compactor.namespace("m", compactor.compaction_for("m")))
+        return str(compactor.stages_for("m")[-1].namespace)
 
     simple = namespace()
     assert simple == namespace(max_preserved_messages=5, keep_recent_ratio=0.2)  # the cut only
+    assert simple == namespace(strategy="hybrid")  # what masking leaves is hashed as sent
     assert simple != namespace(strategy="structured")
     assert simple != namespace(summary_max_tokens=999)
     assert simple != namespace(custom_instruction="keep SQL")
     assert simple != namespace(summary_role="system")
 
 
-def test_a_built_in_strategy_is_made_once_per_summarizer_model_and_options() -> None:
-    """Kept strategy objects answer as freshly made ones: a changed model or option makes a new
-    one with its own fingerprint, and the kept ones are bounded."""
-    compactor = create_app(make_settings()).state.proxy.compactor
-    first = compactor.compaction_for("m")
-    assert compactor.compaction_for("m") is first
-    assert compactor.namespace("m", first) == compactor.namespace("m", first)
-    other = compactor.compaction_for("other-model")
-    assert other is not first
-    compactor.settings.compaction.custom_instruction = "keep SQL"
-    changed = compactor.compaction_for("m")
-    assert changed is not first and changed.fingerprint != first.fingerprint
-    assert compactor.namespace("m", changed) != compactor.namespace("m", first)
-    fresh = create_app(make_settings(compaction={"custom_instruction": "keep SQL"}))
-    made = fresh.state.proxy.compactor.compaction_for("m")
-    assert changed.fingerprint == made.fingerprint
-    assert changed.max_message_tokens == made.max_message_tokens  # type: ignore[attr-defined]
+def test_stages_are_made_once_per_summarizer_model_and_bounded() -> None:
+    compactor = create_app(make_settings(compaction={"strategy": "hybrid"})).state.proxy.compactor
+    first = compactor.stages_for("m")
+    assert [stage.name for stage in first] == ["mask", "simple"]
+    assert compactor.stages_for("m") is first
+    other = compactor.stages_for("other-model")
+    assert other is not first and other[-1].namespace != first[-1].namespace
     for i in range(200):
-        compactor.compaction_for(f"model-{i}")
-    assert len(compactor._compactions) <= 64
+        compactor.stages_for(f"model-{i}")
+    assert len(compactor._stages) <= 64
 
 
-def test_a_loaded_strategy_is_made_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A strategy from a module may keep state of its own: its factory is asked every time."""
+def test_a_loaded_strategy_is_made_once_per_summarizer_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A strategy holds nothing of a request: its factory is asked once at start (the check)
+    and once per summarizer model."""
     made: list[object] = []
 
     def factory(options: Any) -> object:
         made.append(options)
-        return BUILT_IN["simple"](options)
+        return BUILT_IN["simple"][1](options)
 
     import proxy.compaction.strategies as strategies
 
@@ -313,8 +314,10 @@ def test_a_loaded_strategy_is_made_per_request(monkeypatch: pytest.MonkeyPatch) 
     compactor = create_app(
         make_settings(compaction={"strategy": "proxy.compaction.strategies:_test_factory"})
     ).state.proxy.compactor
-    assert compactor.compaction_for("m") is not compactor.compaction_for("m")
-    assert len(made) == 2
+    assert len(made) == 1  # checked at start
+    assert compactor.stages_for("m") is compactor.stages_for("m")
+    compactor.stages_for("n")
+    assert len(made) == 3
 
 
 async def test_a_long_history_is_cut_off_the_event_loop(
@@ -327,13 +330,13 @@ async def test_a_long_history_is_cut_off_the_event_loop(
     from proxy.compaction import cut as cut_module
 
     threads: list[int] = []
-    real = cut_module.cut_history
+    real = cut_module.plan_cut
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.get_ident())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cut_module, "cut_history", recording)
+    monkeypatch.setattr(cut_module, "plan_cut", recording)
     async with await open_client(budget_tokens=5000) as client:
         await post(client, agent(20, words=200))
         await post(client, agent(2600, words=2))  # 5,202 messages

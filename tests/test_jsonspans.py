@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import json
-import tracemalloc
 from typing import Any
 
 import orjson
@@ -16,7 +14,8 @@ from proxy import jsonbytes, jsonspans
 from proxy.chat import reencode
 from proxy.jsonparse import TooManyItems
 from proxy.jsonspans import loads_chat
-from proxy.store.chain import ChainMemo, chain_hashes
+from proxy.sessioncache import SessionCache
+from proxy.store.chain import chain_hashes
 from proxy.validation import parse_chat_spans
 
 texts = st.text(alphabet=st.characters(codec="utf-8") | st.sampled_from('}{],["\\\n'))
@@ -191,9 +190,9 @@ def test_forwarded_body_keeps_the_clients_bytes_of_kept_messages() -> None:
     assert json.loads(other)["messages"] == [summary]
 
 
-def test_chain_memo_gives_the_same_keys_and_hashes_only_new_messages() -> None:
+def test_the_session_cache_gives_the_same_keys_and_hashes_only_new_messages() -> None:
     history = [{"role": "user", "content": f"message {i}"} for i in range(20)]
-    memo = ChainMemo()
+    cache = SessionCache()
 
     def keys(count: int) -> tuple[list[str], int]:
         raw = json.dumps({"messages": history[:count]}).encode()
@@ -208,37 +207,18 @@ def test_chain_memo_gives_the_same_keys_and_hashes_only_new_messages() -> None:
             return digest(index)
 
         spans.digest = counted  # type: ignore[method-assign]
-        with_memo = chain_hashes("s", "n", spans.messages, spans, memo)
+        with_cache = chain_hashes("s", "n", spans.messages, spans, cache)
         count_hashed = len(hashed)
-        assert with_memo == chain_hashes("s", "n", spans.messages, spans)
-        return with_memo, count_hashed
+        assert with_cache == chain_hashes("s", "n", spans.messages, spans)
+        return with_cache, count_hashed
 
     first, hashed = keys(10)
     assert hashed == 10
+    cache = cache.extended()  # the next turn's body extends this one
     second, hashed = keys(12)
     assert hashed == 2 and second[:10] == first
-    assert len(memo) == 1  # the extended entry replaced the one it extended
+    assert len(cache.chains) == 1  # the extended chain replaced the one it extended
     assert chain_hashes("other", "n", history) != chain_hashes("s", "n", history)
-
-
-def test_chain_memo_of_many_short_sessions_stays_within_a_few_megabytes() -> None:
-    """Its bound counts each entry's own overhead, not only its links: 200k one-message
-    sessions used to hold ~55 MB in a memo sized for ~4 MB of links."""
-    memo = ChainMemo()
-    gc.collect()
-    tracemalloc.start()
-    try:
-        for i in range(200_000):
-            memo.put(i.to_bytes(16, "big"), [i], bytes(32), 0)
-        gc.collect()
-        held, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert 1_000 < len(memo) < 20_000
-    assert held < 10_000_000
-    # Long chains still fit as before: one session of 50k messages is remembered.
-    memo.put(b"root", list(range(50_000)), bytes(32 * 50_000), 0)
-    assert memo.longest(b"root", list(range(50_000))) == bytes(32 * 50_000)
 
 
 exact_values = st.recursive(

@@ -32,11 +32,13 @@ def test_example_documents_every_key() -> None:
     sections = ("server", "upstream", "tokenizer", "compaction", "cache", "auth", "admin", "quota")
     for section in sections:
         for key in type(getattr(settings, section)).model_fields:
-            if key in ("models", "summarizer"):
+            if key in ("models", "summarizer", "mask"):
                 continue
             assert f"{key} =" in text, f"{section}.{key} missing from the example config"
-    for key in type(settings.compaction.summarizer).model_fields:
-        assert f"{key} =" in text, f"compaction.summarizer.{key} missing"
+    for sub in ("summarizer", "mask"):
+        assert f"[compaction.{sub}]" in text
+        for key in type(getattr(settings.compaction, sub)).model_fields:
+            assert f"{key} =" in text, f"compaction.{sub}.{key} missing"
 
 
 def test_precedence_file_env_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -345,13 +345,13 @@ async def test_summaries_stored_under_the_old_key_format_are_missed_not_misread(
     compactor = state.compactor
     history = agent_turns(40)[-1]
     model = "gpt-4o-mini"
-    compaction = compactor.compaction_for(model)
+    (stage,) = compactor.stages_for(model)
     old_namespace = namespace_for(
         model=model,
         base_url=state.settings.upstream.base_url,
-        strategy=compaction.fingerprint,
+        strategy=stage.fingerprint,
     )
-    assert old_namespace != compactor.namespace(model, compaction)
+    assert old_namespace != stage.namespace
     scope = scope_for("sk-a", "credential")
     assert scope is not None
 

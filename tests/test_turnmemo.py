@@ -306,8 +306,8 @@ def test_store_keys_of_a_hit_reuse_the_kept_chain_and_equal_a_cold_chain() -> No
     kept_spans = memo.parse("s", first)
     assert kept_spans is not None
     base = kept_spans[2]
-    chain_hashes("scope", "ns", base.messages[1:], base)  # derived on the kept body
-    assert base.chains
+    chain_hashes("scope", "ns", base.messages[1:], base, base.cache)  # derived on the kept body
+    assert base.cache.chains
     for later in (history(7), history(6)[:-3], [*history(7), {"role": "user", "content": "x"}]):
         raw = compact({"model": "gpt-4o", "messages": later})
         hit = memo.parse("s", raw)
@@ -315,12 +315,12 @@ def test_store_keys_of_a_hit_reuse_the_kept_chain_and_equal_a_cold_chain() -> No
         if hit is None:
             continue
         spans, fresh = hit[1], cold(raw)[1]
-        assert spans.chains and spans.chains is not base.chains
+        assert spans.cache.chains and spans.cache.chains is not base.cache.chains
         for run in (slice(1, None), slice(1, 5), slice(2, None)):
-            assert chain_hashes("scope", "ns", spans.messages[run], spans) == chain_hashes(
-                "scope", "ns", fresh.messages[run], fresh
-            )
-        other = chain_hashes("other scope", "ns", spans.messages[1:], spans)
+            assert chain_hashes(
+                "scope", "ns", spans.messages[run], spans, spans.cache
+            ) == chain_hashes("scope", "ns", fresh.messages[run], fresh)
+        other = chain_hashes("other scope", "ns", spans.messages[1:], spans, spans.cache)
         assert other == chain_hashes("other scope", "ns", fresh.messages[1:], fresh)
 
 
@@ -357,7 +357,7 @@ async def test_token_counts_kept_with_a_body_are_a_cold_count_of_each_message() 
         total = counter.request_tokens(sum(got), counter.count_tools(model, with_tools))
         assert total == fresh.count_request(with_tools)
     assert await compactor.message_counts("gpt-4o", spans) == counts
-    assert len(spans.counts) == 2  # kept for two encodings at most
+    assert len(spans.cache.counts) == 2  # kept for two encodings at most
     edited = [*later[:3], {**later[3], "content": "changed"}, *later[4:]]
     again = memo.parse("s", compact({"model": "gpt-4o", "messages": edited, "tools": tools}))
     assert again is None or (await compactor.message_counts("gpt-4o", again[1]))[3] == (

@@ -1,39 +1,45 @@
-"""Compaction strategies and the summarizer they call.
+"""Compaction strategies and what a strategy of your own needs (README, "Your own strategy").
 
-What a strategy of your own needs (see README, "Your own strategy"): the `Compaction`
-protocol, the `Cut` it returns (build one with `cut_messages` and the configured `CutRules`),
-`Summary`, and the `StrategyOptions` its factory is called with.
+- `Compaction`: an async `compact(messages, llm) -> messages` (the reference's shape), with
+  `LLM` the model it may call (`await llm.complete(messages, system=...) -> str`);
+- `Summarizing`: `fingerprint`, an async `summarize_span(...) -> Summary` and
+  `summary_message(text) -> Message`, for summaries the store reuses and extends;
+- `StrategyOptions`: what a strategy's factory may be called with.
 """
 
-from proxy.compaction.cut import CutRules, cut_messages
+from proxy.compaction.mask import MaskCompaction, MaskOptions
 from proxy.compaction.protocol import (
+    LLM,
     Compaction,
     CountMessage,
-    Cut,
     Message,
     OnChunk,
     Summarizer,
     SummarizerError,
+    Summarizing,
     Summary,
     Usage,
-    compact,
     fingerprint_of,
 )
+from proxy.compaction.simple import SimpleCompaction
 from proxy.compaction.strategies import StrategyOptions
+from proxy.compaction.structured import StructuredCompaction
 
 __all__ = [
+    "LLM",
     "Compaction",
     "CountMessage",
-    "Cut",
-    "CutRules",
+    "MaskCompaction",
+    "MaskOptions",
     "Message",
     "OnChunk",
+    "SimpleCompaction",
     "StrategyOptions",
+    "StructuredCompaction",
     "Summarizer",
     "SummarizerError",
+    "Summarizing",
     "Summary",
     "Usage",
-    "compact",
-    "cut_messages",
     "fingerprint_of",
 ]

@@ -1,60 +1,43 @@
 """Where to cut a history, and which messages the cut must keep verbatim.
 
-Shared by the built-in strategies (a user's strategy may call `cut_history` too). What is
-protected, in order:
+Pure: a function of the history's description (proxy/compaction/conversation.py), the
+rules and the token counts it is given. What is protected, in order:
 
-1. leading system/developer messages: pinned in place, never summarized;
+1. leading system/developer messages: pinned in place, never summarized (and everything up
+   to the last barrier entry, for APIs that have them);
 2. the task, the first user message: forwarded verbatim right after the pinned messages
    even when the summary covers it (unless it alone is over `task_max_tokens`: then it is
    summarized like the rest and `Cut.task_summarized` says so);
-3. the latest ask: in "carry" mode the latest user message, when the summary covers it, is
-   forwarded verbatim right after the summary. The cut never waits for it, so it moves
-   forward as the conversation grows. User messages matching one of the `injected`
-   patterns (an agent's own "Tool call error: reply with exactly one tool call") are not
-   asks: they are summarized like tool output. A summary keeps carrying the ask it carried
-   when it was made (`StoredSummary.carried`), so reusing it forwards the same prefix.
-   In "pin" mode (the reference-like default of the class) the cut stops at the latest
-   user message instead;
+3. the latest ask: in "carry" mode the latest user message that is a real ask (not one an
+   agent injected), when the summary covers it, is forwarded verbatim right after the
+   summary. The cut never waits for it, so it moves forward as the conversation grows. A
+   summary keeps carrying the ask it carried when it was made (`StoredSummary.carried`), so
+   reusing it forwards the same prefix. In "pin" mode (the reference-like default of the
+   class) the cut stops at the latest user message instead;
 4. the tail: the last `max_preserved_messages` user/assistant messages and, with
    `keep_tokens`, as many more recent messages as fit in that many tokens.
 
-The cut never separates an assistant `tool_calls` message from its results, either way.
-Everything here is linear in the number of messages.
+The cut never separates a tool call from its results, either way. Everything here is
+linear in the number of messages.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import threading
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, partial
-from typing import Any, Literal
+from functools import cached_property
+from typing import Literal
 
-from cachetools import LRUCache
-
-from proxy.compaction.protocol import CountMessage, Cut, Message
-from proxy.compaction.render import content_text, message_role
-from proxy.jsonspans import key_prefix_digests
+from proxy.compaction.conversation import Described
+from proxy.report import Message
 
 PINNED_ROLES = frozenset({"system", "developer"})
 COUNTED_ROLES = frozenset({"user", "assistant"})
-# Only the start of a user message is matched against the injected patterns.
-_MATCH_CHARS = 400
-_SEEN_TEXTS = 4096  # injected-pattern answers remembered per rules (~2 MB at most)
 _TAIL_BLOCK = 16  # messages counted at once by the token cut's first step
 
-# Messages agents inject themselves when they cannot parse the model's reply.
-DEFAULT_INJECTED = (
-    r"(?i)^\s*tool call error\b",
-    r"(?i)\breply with exactly one tool call\b",
-    r"(?i)^\s*your (last |previous )?(reply|response|output|message) (was|is) not "
-    r"(correctly |properly )?(formatted|valid|parseable)",
-)
+# The tokens of items[start:end] of the history being cut, one count per item.
+CountRange = Callable[[int, int], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -62,35 +45,11 @@ class CutRules:
     max_preserved_messages: int = 2
     latest_user: Literal["pin", "carry", "off"] = "pin"
     task_max_tokens: int | None = None  # None: the task is not protected
-    injected: tuple[str, ...] = ()
-
-    # Answers by the text matched: an agent's history asks about the same user messages
-    # every turn. Cleared when full (texts are client input).
-    _seen: dict[str, bool] = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    @cached_property
-    def _patterns(self) -> list[re.Pattern[str]]:
-        return [re.compile(p) for p in self.injected]
-
-    def is_injected(self, message: Message) -> bool:
-        if not self.injected:
-            return False
-        content = message.get("content")
-        if isinstance(content, str):  # what content_text would give, without copying it all
-            head = content[:_MATCH_CHARS] if content.strip() else ""
-        else:
-            head = content_text(content)[:_MATCH_CHARS]
-        seen = self._seen.get(head)
-        if seen is None:
-            if len(self._seen) >= _SEEN_TEXTS:
-                self._seen.clear()
-            seen = self._seen[head] = any(p.search(head) for p in self._patterns)
-        return seen
 
 
 @dataclass(frozen=True)
 class CutPlan:
-    """`cut_history`'s answer, in absolute indexes of the input list."""
+    """Where `plan_cut` cuts, in absolute positions of the history."""
 
     start: int  # first non-pinned message
     index: int  # first preserved message (== start: nothing to compact)
@@ -100,76 +59,156 @@ class CutPlan:
     task_summarized: bool
 
 
+@dataclass(frozen=True)
+class Cut:
+    """Where a history is cut, and which messages survive verbatim around the summary.
+
+    Positions (`task`, `asks`, `stops`) index `rest` = `to_compact + to_preserve`. A summary
+    covering `rest[:length]` is forwarded as
+    `pinned + [task] + [summary] + [latest ask] + rest[length:]`, where the task and the
+    ask appear only when the summary covered them (see `forward`).
+
+    `stops` are the later positions the cut may move forward to when the result is over
+    budget (tool pairs intact, at least the minimum tail kept), ascending.
+    """
+
+    pinned: list[Message]  # leading system/developer messages, kept in place
+    to_compact: list[Message]  # messages[len(pinned):index]
+    to_preserve: list[Message]  # messages[index:]
+    index: int  # absolute index into the input list of the first preserved message
+    task: int | None = None  # the first user message, forwarded verbatim before the summary
+    asks: tuple[int, ...] = ()  # user messages that may be carried verbatim after the summary
+    stops: tuple[int, ...] = ()
+    task_summarized: bool = False  # the first user message exceeded its cap: summarized
+    dropped: frozenset[int] = frozenset()  # never shown to a summarizer (reasoning items)
+    # What the summary reads and the store hashes for `rest`, item by item, when an earlier
+    # stage changed only the content of some items (masking): their original content.
+    source: list[Message] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def rest(self) -> list[Message]:
+        return [*self.to_compact, *self.to_preserve]
+
+    @property
+    def read(self) -> list[Message]:
+        """`rest` as the summary reads it (see `source`)."""
+        return self.rest if self.source is None else self.source
+
+    @property
+    def length(self) -> int:
+        """How many messages of `rest` the cut summarizes."""
+        return len(self.to_compact)
+
+    @property
+    def latest(self) -> int:
+        """The furthest the cut may move forward."""
+        return self.stops[-1] if self.stops else self.length
+
+    def readable(self, start: int, end: int) -> list[int]:
+        """The positions of rest[start:end] a summarizer reads (not the dropped ones)."""
+        return [i for i in range(start, end) if i not in self.dropped]
+
+    def ask_for(self, length: int) -> int | None:
+        """The ask a summary of `rest[:length]` carries: the latest real ask, when the
+        summary covers it and it is not the task."""
+        ask = self.asks[-1] if self.asks else None
+        return ask if ask is not None and ask < length and ask != self.task else None
+
+    def carried(
+        self, length: int, sticky: int | None = None
+    ) -> tuple[list[Message], list[Message]]:
+        """The protected messages a summary of `rest[:length]` covers: (before it, after it).
+
+        `sticky`: an ask the same summary carried when it was made (a newer one has come
+        since); it stays, so a reused summary forwards the same prefix as before."""
+        rest = self.rest
+        before = [rest[self.task]] if self.task is not None and self.task < length else []
+        carried = {self.ask_for(length)}
+        if sticky is not None and sticky < length and sticky != self.task:
+            carried.add(sticky)
+        after = [rest[p] for p in sorted(p for p in carried if p is not None)]
+        return before, after
+
+    def forward(
+        self, summary: Message, length: int | None = None, sticky: int | None = None
+    ) -> list[Message]:
+        """The forwarded history for a summary of `rest[:length]` (default: the cut)."""
+        length = self.length if length is None else length
+        before, after = self.carried(length, sticky)
+        return [*self.pinned, *before, summary, *after, *self.rest[length:]]
+
+
 def cut_messages(
     messages: list[Message],
+    described: Described,
     rules: CutRules,
     *,
     keep_tokens: int | None = None,
-    count: CountMessage | None = None,
-    render: Callable[[list[Message]], Message] | None = None,
+    count: CountRange | None = None,
+    source: list[Message] | None = None,
 ) -> Cut:
-    """`cut_history` as a `Cut`; `render(span)` builds the summarizer's message on demand."""
-    plan = cut_history(messages, rules, keep_tokens=keep_tokens, count=count)
+    """`plan_cut` as a `Cut` of `messages` (which `described` describes). `source`: what
+    `messages` stand for item by item, for the summary to read (see `Cut.source`)."""
+    plan = plan_cut(described, rules, keep_tokens=keep_tokens, count=count)
     start, index = plan.start, plan.index
     pinned = list(messages[:start])
     if index <= start:
         return Cut(pinned, [], list(messages[start:]), start)
-    to_compact = list(messages[start:index])
     return Cut(
         pinned,
-        to_compact,
+        list(messages[start:index]),
         list(messages[index:]),
         index,
         task=None if plan.task is None else plan.task - start,
         asks=tuple(a - start for a in plan.asks),
         stops=tuple(s - start for s in plan.stops),
         task_summarized=plan.task_summarized,
-        render=None if render is None else partial(render, to_compact),
+        dropped=frozenset(
+            i - start for i, e in enumerate(described.entries) if i >= start and e.span == "drop"
+        )
+        if described.dropped
+        else frozenset(),
+        source=None if source is None else list(source[start:]),
     )
 
 
-def estimate_message(message: Message) -> int:
-    """~4 characters per token of the message's JSON, when no counter is given."""
-    return len(json.dumps(message, ensure_ascii=False, default=str)) // 4 + 4
-
-
-def cut_history(
-    messages: Sequence[Message],
+def plan_cut(
+    described: Described,
     rules: CutRules,
     *,
     keep_tokens: int | None = None,
-    count: CountMessage | None = None,
+    count: CountRange | None = None,
 ) -> CutPlan:
-    count = count or estimate_message
+    """Where to cut (see the module docstring). `count` is needed with `keep_tokens` or a
+    `task_max_tokens`; without it a message counts as 1 token."""
+    count = count or _one_each
+    entries = described.entries
     start = 0
-    while start < len(messages) and message_role(messages[start]) in PINNED_ROLES:
+    while start < len(entries) and entries[start].role in PINNED_ROLES:
         start += 1
+    start = max(start, described.barrier + 1)
     nothing = CutPlan(start, start, None, (), (), False)
-    state = pairing_state(messages)
-    partner = state.partner
-    latest = _count_cut(messages, start, rules, partner)
+    partner = described.partner
+    latest = _count_cut(described, start, rules)
     if latest <= start:
         return nothing
     index = latest
     if keep_tokens is not None:
-        index = min(index, _token_cut(messages, start, keep_tokens, count, partner))
+        index = min(index, _token_cut(partner, start, keep_tokens, count))
 
-    users = state.users[bisect_left(state.users, start) :]
-    task, task_summarized, first = None, False, None
-    if rules.task_max_tokens is not None:
-        first = users[0] if users else None
-        if first is not None:
-            if count(messages[first]) <= rules.task_max_tokens:
-                task = first
-            else:
-                task_summarized = first < index
+    # The task is the first user message that is not context; before a barrier it is in
+    # place already, and no later message takes its role.
+    first = next((u for u in described.users if not entries[u].context), None)
+    task, task_summarized = None, False
+    if rules.task_max_tokens is not None and first is not None and first >= start:
+        if count(first, first + 1)[0] <= rules.task_max_tokens:
+            task = first
+        else:
+            task_summarized = first < index
     asks: tuple[int, ...] = ()
     if rules.latest_user == "carry":
-        asks = tuple(
-            i
-            for i in users
-            if not rules.is_injected(messages[i]) and not (task_summarized and i == first)
-        )
+        users = described.users[bisect_left(described.users, start) :]
+        asks = tuple(i for i in users if entries[i].ask and not (task_summarized and i == first))
     stops = _clean_positions(partner, index, latest)
     # A span of nothing but carried messages has nothing to summarize: move on if possible.
     for position in (index, *stops):
@@ -177,6 +216,10 @@ def cut_history(
             later = tuple(s for s in stops if s > position)
             return CutPlan(start, position, task, asks, later, task_summarized)
     return nothing
+
+
+def _one_each(start: int, end: int) -> list[int]:
+    return [1] * (end - start)
 
 
 def _only_protected(start: int, end: int, task: int | None, asks: tuple[int, ...]) -> bool:
@@ -187,52 +230,38 @@ def _only_protected(start: int, end: int, task: int | None, asks: tuple[int, ...
     return all(i in carried for i in range(start, end))
 
 
-def _is_user(message: Message) -> bool:
-    return isinstance(message, dict) and message.get("role") == "user"
-
-
-def _count_cut(messages: Sequence[Message], start: int, rules: CutRules, partner: list[int]) -> int:
+def _count_cut(described: Described, start: int, rules: CutRules) -> int:
     """The reference's cut: before the last N user/assistant messages, tool pairs intact."""
     n = rules.max_preserved_messages
     if n <= 0:
         return start
+    entries = described.entries
     counted = 0
     cut = start
-    for index in range(len(messages) - 1, start - 1, -1):
-        if message_role(messages[index]) in COUNTED_ROLES:
+    for index in range(len(entries) - 1, start - 1, -1):
+        if entries[index].role in COUNTED_ROLES:
             counted += 1
             if counted == n:
                 cut = index
                 break
     if counted < n:
         return start
-    if rules.latest_user == "pin":
-        for index in range(len(messages) - 1, start - 1, -1):
-            if _is_user(messages[index]):
-                cut = min(cut, index)
-                break
-    return max(start, keep_tool_pairs(messages, cut, partner))
+    if rules.latest_user == "pin" and described.users and described.users[-1] >= start:
+        cut = min(cut, described.users[-1])
+    return max(start, keep_tool_pairs(described.partner, cut))
 
 
-def _token_cut(
-    messages: Sequence[Message],
-    start: int,
-    keep_tokens: int,
-    count: CountMessage,
-    partner: list[int],
-) -> int:
-    """The earliest clean index whose tail fits in `keep_tokens` (walks the tail only).
-
-    A `count` with an `each` method (a list of counts for a list of messages) is asked for
-    blocks of the tail, from the end, each twice the last: a few lookups, not one a message.
-    """
+def _token_cut(partner: list[int], start: int, keep_tokens: int, count: CountRange) -> int:
+    """The earliest clean index whose tail fits in `keep_tokens` (walks the tail only),
+    counting blocks of the tail from the end, each twice the last: a few lookups, not one
+    a message."""
     used = 0
-    index = len(messages)
-    each = getattr(count, "each", None)
+    end = len(partner)
+    index = end
     block = _TAIL_BLOCK
     while index > start:
-        first = max(start, index - block) if each is not None else index - 1
-        counts = each(messages[first:index]) if each is not None else [count(messages[first])]
+        first = max(start, index - block)
+        counts = count(first, index)
         for tokens in reversed(counts):
             if used + tokens > keep_tokens:
                 break
@@ -242,13 +271,19 @@ def _token_cut(
             break
         block *= 2
     # Forward to a clean boundary: fewer tokens, never more.
-    low = len(messages)
-    clean = len(messages)
-    for position in range(len(messages) - 1, index - 1, -1):
+    low = end
+    clean = end
+    for position in range(end - 1, index - 1, -1):
         low = min(low, partner[position])
         if low >= position:
             clean = position
     return clean
+
+
+def clean_lengths(described: Described, start: int) -> frozenset[int]:
+    """The lengths k for which a summary of items[start:start + k] leaves every tool pair
+    whole (where a stored summary may end and still be used)."""
+    return frozenset(p - start for p in _clean_positions(described.partner, start, len(described)))
 
 
 def _clean_positions(partner: list[int], first: int, last: int) -> tuple[int, ...]:
@@ -263,195 +298,12 @@ def _clean_positions(partner: list[int], first: int, last: int) -> tuple[int, ..
     return tuple(found)
 
 
-def keep_tool_pairs(messages: Sequence[Message], cut: int, partner: list[int] | None = None) -> int:
-    """Move `cut` back until no tool result is separated from its call, in either direction.
-
-    Pairs are matched by id; a result without an id belongs to the nearest earlier message
-    with calls. Moving back only preserves more, so it never breaks another pair.
-    """
-    partner = partners(messages) if partner is None else partner
-    lo, hi = cut, len(messages)
+def keep_tool_pairs(partner: list[int], cut: int) -> int:
+    """Move `cut` back until no tool result is separated from its call, in either
+    direction. Moving back only preserves more, so it never breaks another pair."""
+    lo, hi = cut, len(partner)
     while True:
         need = min((partner[j] for j in range(lo, hi)), default=cut)
         if need >= cut:
             return cut
         lo, hi, cut = need, cut, need
-
-
-def partners(messages: Sequence[Message]) -> list[int]:
-    """For each message, the lowest index that must stay on its side of any cut.
-
-    A cut at c keeps every pair intact exactly when min(partner[c:]) >= c. One pass with
-    no call per ordinary message: it runs on every over-budget turn of a long history.
-    Inside `message_keys`, a history that extends a recent one only pairs its new messages:
-    appending messages never changes an earlier one's partner. The state comes from the
-    holder's `pairing` (the body's spans, which a body extending it inherits) when it is for
-    a prefix of these very messages, else from the memo by the messages' byte keys.
-    """
-    return list(pairing_state(messages).partner)
-
-
-def pairing_state(messages: Sequence[Message]) -> _Pairing:
-    """What `partners` reads (not to be changed): the holder's, the memo's or a cold pass."""
-    holder = _HOLDER.get()
-    if holder is None or messages is not getattr(holder, "messages", None):
-        return _state_of(messages)
-    kept = holder.pairing
-    if isinstance(kept, _Pairing) and len(kept.partner) <= len(messages):
-        state = kept if len(kept.partner) == len(messages) else _pairing(messages, _copy(kept))
-    else:
-        state = _state_of(messages)
-    holder.pairing = state  # read only from here on: extended from copies
-    return state
-
-
-def _state_of(messages: Sequence[Message]) -> _Pairing:
-    """The pairing state of `messages` (not to be changed): the memo's by byte keys, when
-    known, else a cold pass."""
-    keys_for = _KEYS.get()
-    keys = keys_for(messages) if keys_for is not None else None
-    if keys is None or len(keys) != len(messages) or not messages or None in keys:
-        return _pairing(messages, _Pairing([], {}, {}, None, []))
-    return _MEMO.state(messages, keys)
-
-
-def _copy(state: _Pairing) -> _Pairing:
-    return _Pairing(
-        list(state.partner),
-        dict(state.calls_at),
-        dict(state.results_at),
-        state.last_call,
-        list(state.users),
-    )
-
-
-@dataclass
-class _Pairing:
-    """What pairing messages[:len(partner)] left: enough to pair the messages after them,
-    and where their user messages are (the same pass reads each role once, so a turn finds
-    the users of its new messages only)."""
-
-    partner: list[int]
-    calls_at: dict[str, int]  # call id -> its message
-    results_at: dict[str, int]  # result id -> its first message
-    last_call: int | None
-    users: list[int]  # positions of the user messages, ascending
-
-
-def _pairing(messages: Sequence[Message], state: _Pairing) -> _Pairing:
-    """`state` (a copy: it is changed) carried on over the messages after it."""
-    calls_at, results_at, last_call = state.calls_at, state.results_at, state.last_call
-    start = len(state.partner)
-    call_ids: dict[int, list[str]] = {}  # only the messages that have calls
-    partner, users = state.partner, state.users
-    partner += range(start, len(messages))
-    for index in range(start, len(messages)):
-        message = messages[index]
-        if type(message) is not dict:
-            if isinstance(message, dict) and message.get("role") == "user":
-                users.append(index)
-            continue
-        role = message.get("role")
-        if role == "user":
-            users.append(index)
-        calls = message.get("tool_calls")
-        if calls:
-            ids = (
-                [
-                    c["id"]
-                    for c in calls
-                    if isinstance(c, dict) and isinstance(c.get("id"), str) and c["id"]
-                ]
-                if isinstance(calls, list)
-                else []
-            )
-            if ids:
-                call_ids[index] = ids
-                for call_id in ids:
-                    calls_at[call_id] = index
-                last_call = index
-        if "function_call" in message and isinstance(message["function_call"], dict):
-            last_call = index
-        if role != "tool" and role != "function":
-            continue
-        result_id = message.get("tool_call_id") if role == "tool" else None
-        if isinstance(result_id, str) and result_id:
-            results_at.setdefault(result_id, index)
-            if result_id in calls_at:
-                partner[index] = calls_at[result_id]
-        elif last_call is not None:
-            partner[index] = last_call
-    # An earlier call's partner is final: a later result of it is never below it.
-    for index, ids in call_ids.items():
-        found = [results_at[i] for i in ids if i in results_at]
-        partner[index] = min([partner[index], *found])
-    state.last_call = last_call
-    return state
-
-
-_KEYS: ContextVar[Callable[[Sequence[Message]], Sequence[int | None]] | None] = ContextVar(
-    "cut_message_keys", default=None
-)
-_HOLDER: ContextVar[Any] = ContextVar("cut_pairing_holder", default=None)
-
-
-@contextmanager
-def message_keys(
-    keys_for: Callable[[Sequence[Message]], Sequence[int | None]] | None,
-    holder: Any = None,
-) -> Iterator[None]:
-    """Within: `keys_for(messages)` gives each message's byte key (None: not known), so the
-    pairing of a history that extends a recent one is reused (`PairingMemo`); `holder` (the
-    body's spans: `messages` and a `pairing` attribute) keeps the pairing of its messages."""
-    token, held = _KEYS.set(keys_for), _HOLDER.set(holder)
-    try:
-        yield
-    finally:
-        _HOLDER.reset(held)
-        _KEYS.reset(token)
-
-
-# Messages whose pairing state is remembered (~50 bytes each with the ids: a few MB).
-MEMO_MESSAGES = 65_536
-_LOOKBACK = 8  # a turn adds at most this many messages to the history the previous one sent
-
-
-class PairingMemo:
-    """The pairing state of recent histories by a digest of their messages' byte keys; the
-    entry a history extends is dropped, so a session holds one. Bounded by messages; safe
-    across threads."""
-
-    def __init__(self, max_messages: int = MEMO_MESSAGES) -> None:
-        self._cache: LRUCache[bytes, _Pairing] = LRUCache(
-            maxsize=max_messages, getsizeof=lambda state: len(state.partner) or 1
-        )
-        self._lock = threading.Lock()
-
-    def state(self, messages: Sequence[Message], keys: Sequence[int | None]) -> _Pairing:
-        """The pairing state of `messages`, shared with the memo: not to be changed."""
-        digests = key_prefix_digests(keys, min(_LOOKBACK, len(keys)), b"", b"cp-pairing")
-        with self._lock:
-            found = next(
-                (
-                    (drop, state)
-                    for drop, d in enumerate(digests)
-                    if (state := self._cache.get(d)) is not None
-                ),
-                None,
-            )
-        if found is not None and found[0] == 0:
-            return found[1]
-        state = _Pairing([], {}, {}, None, []) if found is None else _copy(found[1])
-        state = _pairing(messages, state)
-        if len(messages) <= self._cache.maxsize:
-            with self._lock:
-                if found is not None:
-                    self._cache.pop(digests[found[0]], None)
-                self._cache[digests[0]] = state
-        return state
-
-    def __len__(self) -> int:
-        return len(self._cache)
-
-
-_MEMO = PairingMemo()

@@ -1,13 +1,19 @@
-"""The seam between the request path and compaction strategies.
+"""The seams between the request path and compaction strategies.
 
-`Compaction` is exactly what the request path (proxy/compactor.py) and the summary planner
-(proxy/planner.py) call: `cut` a history, `summarize_span` (optionally extending a previous
-summary, reporting each chunk), build the `summary_message`, and a `fingerprint` of
-everything that shapes the summary's text (the summary store keys on it). SimpleCompaction
-and StructuredCompaction implement it; so can a user's own class (`compaction.strategy`).
+Two kinds of strategy, and the request path runs either (or a list of them, in order):
 
-Messages are the client's own JSON objects (OpenAI chat format), never rebuilt from a schema,
-so fields we don't know survive untouched.
+- `Compaction`: the reference module's own shape, `compact(messages, llm) -> messages`. It
+  may rewrite any message and return any new history. The built-in `mask` is one; so is a
+  user's class with just that method. It runs on every over-budget turn and gets no store.
+- `Summarizing`: a strategy that replaces the older part of the history with one summary
+  message. The request path cuts the history (proxy/compaction/cut.py: pinned messages, the
+  task, the latest ask and tool pairs kept intact), and the strategy only says how a span
+  becomes text (`summarize_span`) and that text a message (`summary_message`); in exchange
+  its summaries are stored by prefix, reused, extended and made once across replicas, and
+  the budget is a guarantee. `simple` and `structured` are these.
+
+Messages are the client's own JSON objects (OpenAI chat format), never rebuilt from a
+schema, so fields we don't know survive untouched. A strategy never changes one in place.
 """
 
 from __future__ import annotations
@@ -15,37 +21,39 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-Message = dict[str, Any]
+from proxy.report import NO_USAGE, Message, Usage
+
+__all__ = [
+    "LLM",
+    "NO_USAGE",
+    "Compaction",
+    "CountMessage",
+    "Message",
+    "OnChunk",
+    "Spend",
+    "Summarizer",
+    "SummarizerError",
+    "Summarizing",
+    "Summary",
+    "Usage",
+    "fingerprint_of",
+]
+
 # Tokens of one message as the upstream bills it (the request path passes its counter's).
 CountMessage = Callable[[Message], int]
 
 
 @dataclass(frozen=True)
-class Usage:
-    """Token usage of summarizer calls (as the summarizer's API reported it)."""
-
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-    def __add__(self, other: Usage) -> Usage:
-        return Usage(
-            self.input_tokens + other.input_tokens, self.output_tokens + other.output_tokens
-        )
-
-
-NO_USAGE = Usage()
-
-
-@dataclass(frozen=True)
 class Summary:
-    """One summarizer reply, reasoning already removed."""
+    """One summarizer reply, reasoning already removed. `capped`: it was longer than
+    `compaction.summary_max_tokens` and was cut to it."""
 
     text: str
-    usage: Usage = Usage()
+    usage: Usage = NO_USAGE
+    capped: bool = False
 
 
 # After each chunk of a long span: (messages of the span covered so far, summary so far).
@@ -67,7 +75,62 @@ class SummarizerError(Exception):
     def __init__(self, reason: str, message: str, usage: Usage | None = None) -> None:
         super().__init__(message)
         self.reason = reason
-        self.usage = usage if usage is not None else Usage()
+        self.usage = usage if usage is not None else NO_USAGE
+
+
+@runtime_checkable
+class LLM(Protocol):
+    """What a `Compaction` gets to call a model: the configured summarizer
+    (`compaction.summarizer`: its URL, model and credential, by default the request's own),
+    one non-streaming chat completion without tools, its reply capped at
+    `compaction.summary_max_tokens`. What it costs is accounted to the request."""
+
+    async def complete(self, messages: list[Message], *, system: str | None = None) -> str:
+        """The model's reply to `messages` (chat format), reasoning removed. `system`: the
+        system prompt (default: the reference's "You are a helpful assistant that compacts
+        conversation context."). Raises SummarizerError when the call fails."""
+        ...
+
+
+@runtime_checkable
+class Compaction(Protocol):
+    """The reference's shape: the history in, a new history out.
+
+    `messages` is the whole history as the client sent it (chat format, leading system
+    messages included); return the history to forward, as a new list. Messages you keep
+    should be the same objects (the request path then forwards the client's own bytes for
+    them); messages you change are new dicts. Tool calls and their results must stay
+    paired, or the request path refuses the result (`strategy_error`). An exception, or a
+    result that is not a list of messages, is `failed` with reason `strategy_error`.
+    """
+
+    async def compact(self, messages: list[Message], llm: LLM) -> list[Message]: ...
+
+
+@runtime_checkable
+class Summarizing(Protocol):
+    """A strategy that summarizes the span before the cut, with the summary store."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever anything that shapes the summary's text changes (prompt version,
+        settings): the store's keys include it, so summaries made otherwise are not reused."""
+        ...
+
+    async def summarize_span(
+        self,
+        summarizer: Summarizer,
+        span: list[Message],
+        *,
+        previous_summary: str | None = None,
+        on_chunk: OnChunk | None = None,
+    ) -> Summary:
+        """Summarize `span`, extending `previous_summary` when given. Raises SummarizerError."""
+        ...
+
+    def summary_message(self, summary_text: str) -> Message:
+        """The message that stands for the summarized span in the forwarded request."""
+        ...
 
 
 class Spend:
@@ -92,149 +155,7 @@ class Spend:
         self._late = late
 
 
-@dataclass(frozen=True)
-class Cut:
-    """Where a history is cut, and which messages survive verbatim around the summary.
-
-    Positions (`task`, `asks`, `stops`) index `rest` = `to_compact + to_preserve`. A summary
-    covering `rest[:length]` is forwarded as
-    `pinned + [task] + [summary] + [latest ask] + rest[length:]`, where the task and the
-    ask appear only when the summary covered them (see `forward`).
-
-    `stops` are the later positions the cut may move forward to when the result is over
-    budget (tool pairs intact, at least the minimum tail kept), ascending.
-    `compact_message` is the whole span as the summarizer would read it, unfolded; it is
-    rendered on first access, since a request served from the store only needs the cut.
-    """
-
-    pinned: list[Message]  # leading system/developer messages, kept in place
-    to_compact: list[Message]  # messages[len(pinned):index]
-    to_preserve: list[Message]  # messages[index:]
-    index: int  # absolute index into the input list of the first preserved message
-    task: int | None = None  # the first user message, forwarded verbatim before the summary
-    asks: tuple[int, ...] = ()  # user messages that may be carried verbatim after the summary
-    stops: tuple[int, ...] = ()
-    task_summarized: bool = False  # the first user message exceeded its cap: summarized
-    render: Callable[[], Message] | None = field(default=None, repr=False, compare=False)
-
-    @cached_property
-    def compact_message(self) -> Message | None:
-        """The summarizer's user message (None: nothing to do)."""
-        return self.render() if self.render is not None else None
-
-    @cached_property
-    def rest(self) -> list[Message]:
-        return [*self.to_compact, *self.to_preserve]
-
-    @property
-    def length(self) -> int:
-        """How many messages of `rest` the cut summarizes."""
-        return len(self.to_compact)
-
-    @property
-    def latest(self) -> int:
-        """The furthest the cut may move forward."""
-        return self.stops[-1] if self.stops else self.length
-
-    def ask_for(self, length: int) -> int | None:
-        """The ask a summary of `rest[:length]` carries: the latest user message (not an
-        injected one), when the summary covers it and it is not the task."""
-        ask = self.asks[-1] if self.asks else None
-        return ask if ask is not None and ask < length and ask != self.task else None
-
-    def carried(
-        self, length: int, sticky: int | None = None
-    ) -> tuple[list[Message], list[Message]]:
-        """The protected messages a summary of `rest[:length]` covers: (before it, after it).
-
-        `sticky`: an ask the same summary carried when it was made (a newer one has come
-        since); it stays, so a reused summary forwards the same prefix as before."""
-        rest = self.rest
-        before = [rest[self.task]] if self.task is not None and self.task < length else []
-        carried = {self.ask_for(length)}
-        if sticky is not None and sticky < length and sticky != self.task:
-            carried.add(sticky)
-        after = [rest[p] for p in sorted(p for p in carried if p is not None)]
-        return before, after
-
-    def forward(
-        self, summary: Message, length: int | None = None, sticky: int | None = None
-    ) -> list[Message]:
-        """The forwarded history for a summary of `rest[:length]` (default: the cut)."""
-        length = self.length if length is None else length
-        before, after = self.carried(length, sticky)
-        return [*self.pinned, *before, summary, *after, *self.rest[length:]]
-
-
-@dataclass(frozen=True)
-class CompactionResult:
-    """The new history and what producing it cost.
-
-    `summarized` is how many of the input messages the summary replaced (0: unchanged).
-    """
-
-    messages: list[Message]
-    usage: Usage = Usage()
-    summarized: int = 0
-    summary: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Compaction(Protocol):
-    """A compaction strategy, as the request path and the planner use it."""
-
-    @property
-    def fingerprint(self) -> str:
-        """Changes whenever anything that shapes the summary's text changes (prompt version,
-        settings): the store's keys include it, so summaries made otherwise are not reused."""
-        ...
-
-    def cut(
-        self,
-        messages: list[Message],
-        *,
-        keep_tokens: int | None = None,
-        count: CountMessage | None = None,
-    ) -> Cut:
-        """Where to cut. `keep_tokens`: keep as many recent messages as fit in that many
-        tokens (counted with `count`), never fewer than the strategy's minimum tail."""
-        ...
-
-    async def summarize_span(
-        self,
-        summarizer: Summarizer,
-        span: list[Message],
-        *,
-        previous_summary: str | None = None,
-        on_chunk: OnChunk | None = None,
-    ) -> Summary:
-        """Summarize `span`, extending `previous_summary` when given. Raises SummarizerError."""
-        ...
-
-    def summary_message(self, summary_text: str) -> Message:
-        """The message that stands for the summarized span in the forwarded request."""
-        ...
-
-
-async def compact(
-    compaction: Compaction, messages: list[Message], summarizer: Summarizer
-) -> CompactionResult:
-    """The reference's one-shot `compact`: cut, summarize the span, assemble. No store, no
-    budget; SummarizerError propagates."""
-    cut = compaction.cut(messages)
-    if not cut.to_compact:
-        return CompactionResult(messages=list(messages))
-    summary = await compaction.summarize_span(summarizer, cut.to_compact)
-    return CompactionResult(
-        messages=cut.forward(compaction.summary_message(summary.text)),
-        usage=summary.usage,
-        summarized=len(cut.to_compact),
-        summary=summary.text,
-    )
-
-
 def fingerprint_of(**parts: object) -> str:
-    """A short stable hash of `parts` (JSON values), for `Compaction.fingerprint`."""
+    """A short stable hash of `parts` (JSON values), for a strategy's `fingerprint`."""
     canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()

@@ -5,8 +5,11 @@ leading system/developer messages stay pinned, the cut never separates tool call
 results, the task and the latest ask survive verbatim (proxy/compaction/cut.py), and long
 spans are folded in chunks so the summarizer's own request always fits its window.
 
-`cut`, `render` and `summary_message` are pure, so a summary store can cache by what the
-summarizer would see and splice stored summaries without calling anyone.
+The request path cuts the history itself and calls `summarize_span` and `summary_message`
+(the `Summarizing` protocol), so its summaries are stored, reused and extended; `compact` is
+the reference's one-shot shape for use outside the proxy. `render` and `summary_message` are
+pure, so a summary store can cache by what the summarizer would see and splice stored
+summaries without calling anyone.
 """
 
 from __future__ import annotations
@@ -14,25 +17,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from proxy.compaction.cut import CutRules, cut_messages
+from proxy.compaction.chat_format import ChatFormat
+from proxy.compaction.conversation import describe
+from proxy.compaction.cut import Cut, CutRules, cut_messages
+from proxy.compaction.llm import as_summarizer
 from proxy.compaction.offload import off_loop
 from proxy.compaction.prompt import PROMPT_VERSION, SUMMARY_MARKER, SYSTEM_PROMPT, compact_prompt
 from proxy.compaction.protocol import (
-    CompactionResult,
+    LLM,
     CountMessage,
-    Cut,
     Message,
     OnChunk,
     Summarizer,
     SummarizerError,
     Summary,
     Usage,
-    compact,
     fingerprint_of,
 )
 from proxy.compaction.render import (
     Body,
     CountTokens,
+    cap_tokens,
     compose,
     default_count_tokens,
     message_body,
@@ -67,10 +72,12 @@ class SimpleCompaction:
         summary_max_tokens: int = 2000,
         custom_instruction: str = "",
         rules: CutRules | None = None,
+        format: ChatFormat | None = None,
     ) -> None:
         self.rules = rules or CutRules(
             max_preserved_messages, "pin" if keep_last_user_message else "off"
         )
+        self.format = format or ChatFormat()
         self.max_preserved_messages = self.rules.max_preserved_messages
         self.summary_role = summary_role
         self.summarizer_context_tokens = summarizer_context_tokens
@@ -106,10 +113,16 @@ class SimpleCompaction:
         keep_tokens: int | None = None,
         count: CountMessage | None = None,
     ) -> Cut:
-        """Cut the history (proxy/compaction/cut.py); the summarizer's message for the part
-        before the cut is built on first access to `compact_message`."""
+        """Where this strategy's rules cut `messages` on their own (the request path cuts
+        with the configured rules and its counts; see proxy/compaction/cut.py)."""
+        described = describe(self.format, messages)
+
+        def count_range(start: int, end: int) -> list[int]:
+            counted = count or _estimate
+            return [counted(m) for m in messages[start:end]]
+
         return cut_messages(
-            messages, self.rules, keep_tokens=keep_tokens, count=count, render=self.render
+            messages, described, self.rules, keep_tokens=keep_tokens, count=count_range
         )
 
     def render(
@@ -150,9 +163,14 @@ class SimpleCompaction:
         summary, _ = await self._fold(summarizer, bodies, previous_summary, on_chunk)
         return summary
 
-    async def compact(self, messages: list[Message], summarizer: Summarizer) -> CompactionResult:
-        """The reference's one-shot compaction (`proxy.compaction.protocol.compact`)."""
-        return await compact(self, messages, summarizer)
+    async def compact(self, messages: list[Message], llm: LLM | Summarizer) -> list[Message]:
+        """The reference's one-shot shape: cut, summarize the span with one call (folded in
+        chunks when long), assemble. No store, no budget; SummarizerError propagates."""
+        cut = self.cut(messages)
+        if not cut.to_compact:
+            return list(messages)
+        summary = await self.summarize_span(as_summarizer(llm), cut.to_compact)
+        return cut.forward(self.summary_message(summary.text))
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -188,6 +206,7 @@ class SimpleCompaction:
         fixed = self._fixed_tokens()
         usage = Usage()
         done = chunks = 0
+        capped = False
         while done < len(bodies):
             head = self._bodies(self._with_summary([], summary_text))
             budget = self.summarizer_context_tokens - fixed
@@ -204,13 +223,29 @@ class SimpleCompaction:
             if not text:
                 raise SummarizerError("summarizer_empty", "the summarizer returned no summary")
             usage += reply.usage
+            text, cut_short = self._capped(text)
+            capped = capped or cut_short
             summary_text, done, chunks = text, end, chunks + 1
             if on_chunk is not None:
-                await on_chunk(done, Summary(text, usage))
-        return Summary(summary_text or "", usage), chunks
+                await on_chunk(done, Summary(text, usage, capped))
+        return Summary(summary_text or "", usage, capped), chunks
+
+    def _capped(self, text: str) -> tuple[str, bool]:
+        """`text` within `summary_max_tokens` (head + tail): a summarizer may ignore the
+        max_tokens it was sent, and a summary larger than its cap could crowd out the
+        tail it was made to make room for."""
+        if len(text) <= self.summary_max_tokens:  # no tokenizer makes more tokens than chars
+            return text, False
+        capped, _ = cap_tokens(text, self.summary_max_tokens, self.count_tokens)
+        return capped, capped != text
+
+
+def _estimate(message: Message) -> int:
+    return default_count_tokens(str(message.get("content") or "")) + 4
 
 
 if TYPE_CHECKING:
-    from proxy.compaction.protocol import Compaction
+    from proxy.compaction.protocol import Compaction, Summarizing
 
-    _check: Compaction = SimpleCompaction()
+    _check: Summarizing = SimpleCompaction()
+    _check_compact: Compaction = SimpleCompaction()

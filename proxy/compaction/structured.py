@@ -36,6 +36,6 @@ class StructuredCompaction(SimpleCompaction):
 
 
 if TYPE_CHECKING:
-    from proxy.compaction.protocol import Compaction
+    from proxy.compaction.protocol import Summarizing
 
-    _check: Compaction = StructuredCompaction()
+    _check: Summarizing = StructuredCompaction()

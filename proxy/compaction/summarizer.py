@@ -293,6 +293,14 @@ def _parse_reply(response: httpx.Response) -> Summary:
     text = strip_reasoning(content_text(content)) if content is not None else ""
     if not text:
         usage = _usage(payload.get("usage")) if isinstance(payload, dict) else None
+        if isinstance(message, dict) and (
+            message.get("tool_calls") or message.get("function_call")
+        ):
+            # It was sent no tools, yet answered with a call (a model or gateway that adds its
+            # own): there is no summary in it.
+            raise SummarizerError(
+                "summarizer_tool_call", "the summarizer answered with a tool call", usage
+            )
         raise SummarizerError("summarizer_empty", "the summarizer's reply had no text", usage)
     choice = payload["choices"][0]
     if isinstance(choice, dict) and choice.get("finish_reason") == "length":

@@ -1,7 +1,7 @@
-"""The store seam: what the planner needs from a summary store, whatever the backend.
+"""The store seam: a stored summary's encoding and what a backend must do (bytes).
 
-Backends never raise on an outage: they answer "nothing stored" and report it through
-`available` / `errors`, so a broken store costs money (re-summarizing), never a request.
+A broken store costs money (re-summarizing), never a request: backends raise
+StoreUnavailable, and the one wrapper (proxy/store/store.py) answers "nothing stored".
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from proxy.compaction.protocol import Usage
+from proxy.report import Usage
 
 _FORMAT_VERSION = 1
 
@@ -79,84 +79,42 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class StoreUnavailable(Exception):
+    """A backend could not answer (its server is down, slow or refusing): the store goes on
+    without it for a while. The message names the failure's kind, never a credential."""
+
+
 @runtime_checkable
-class SummaryStore(Protocol):
-    """Summaries by prefix key (see chain.py). keys[k-1] is the key of the k-message prefix."""
+class Backend(Protocol):
+    """Bytes by key, and an expiring lock per key: all a summary store backend does.
 
-    name: str  # "memory" | "redis" | "none"
-    available: bool  # False while the backend is failing (or for the null store)
-    errors: int  # backend failures so far
+    Matching (which entry belongs to which prefix), decoding and the outage policy live
+    once, in `SummaryStore` (proxy/store/store.py). A backend raises StoreUnavailable when
+    it cannot answer; anything it stores expires on its own (the backend's TTL)."""
 
-    async def get(self, key: str) -> StoredSummary | None:
-        """The entry stored under one key."""
+    name: str
+    # Seen by every replica (then single flight takes the backend's lock across replicas).
+    shared: bool
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value under each key (None: absent), in one round trip."""
         ...
 
-    async def longest(self, keys: list[str], max_length: int) -> StoredSummary | None:
-        """The longest stored prefix k <= max_length. One round trip."""
+    async def set(self, key: str, value: bytes) -> None: ...
+
+    async def lock(self, key: str, token: str, ttl_s: float) -> bool:
+        """Take the lock for `key` unless someone holds it (it expires after `ttl_s`)."""
         ...
 
-    async def lookup_all(self, keys: list[str], max_length: int) -> list[StoredSummary]:
-        """Every stored prefix k <= max_length, longest first. One round trip."""
+    async def unlock(self, key: str, token: str) -> None:
+        """Release it only if `token` still holds it (an expired lock may be another's)."""
         ...
 
-    async def put(self, key: str, summary: StoredSummary) -> None: ...
+    async def ping(self) -> None:
+        """Raises unless the backend answers now (readiness)."""
+        ...
 
     async def close(self) -> None: ...
-
-
-LockResult = Literal["acquired", "held", "unavailable"]
-
-
-@runtime_checkable
-class LockingStore(SummaryStore, Protocol):
-    """A store shared by several replicas, with an expiring lock per key for single flight."""
-
-    lock_ttl_s: float
-
-    async def acquire_lock(self, key: str, token: str) -> LockResult:
-        """Take the lock for `key` unless another holder has it; never raises on outage."""
-        ...
-
-    async def release_lock(self, key: str, token: str) -> None:
-        """Release only if `token` still holds it (an expired lock may belong to someone else)."""
-        ...
-
-
-class NullStore:
-    """Backend "none": stores nothing, finds nothing."""
-
-    name = "none"
-
-    def __init__(self) -> None:
-        self.available = False
-        self.errors = 0
-
-    async def get(self, key: str) -> StoredSummary | None:
-        return None
-
-    async def longest(self, keys: list[str], max_length: int) -> StoredSummary | None:
-        return None
-
-    async def lookup_all(self, keys: list[str], max_length: int) -> list[StoredSummary]:
-        return []
-
-    async def put(self, key: str, summary: StoredSummary) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
-def probe_range(keys: list[str], max_length: int) -> list[str]:
-    """The keys a lookup probes: prefixes 1..min(max_length, len(keys))."""
-    return keys[: max(0, min(max_length, len(keys)))]
-
-
-def matches(summary: StoredSummary | None, length: int) -> StoredSummary | None:
-    """Guard against a corrupt entry: the one under keys[k-1] must say it covers k messages."""
-    if summary is None or summary.length != length:
-        return None
-    return summary
 
 
 class RateLimitedLog:

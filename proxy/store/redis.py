@@ -1,19 +1,16 @@
-"""Redis store: summaries shared by every replica, with an expiring lock for single flight.
+"""Redis backend: summaries shared by every replica, with an expiring lock for single flight.
 
-Values are StoredSummary JSON under `<prefix>summary:<chain hash>`, every key with a TTL.
-A lookup is one MGET over the probed chain keys. Short socket timeouts and a retry-after
-window keep an outage from stalling requests: while Redis is failing, every method answers
-"nothing stored" at once, counts the error and logs (rate-limited, credentials redacted).
+Values under `<prefix>summary:<chain hash>`, every key with a TTL; a lookup is one MGET
+(per node on a cluster). Short socket timeouts keep an outage from stalling requests; every
+failure is a StoreUnavailable naming the exception's class (the store's wrapper decides
+what to do about it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-from urllib.parse import urlsplit
+from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -22,16 +19,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from proxy.store.protocol import (
-    LockResult,
-    RateLimitedLog,
-    StoredSummary,
-    matches,
-    probe_range,
-)
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
+from proxy.store.protocol import StoreUnavailable
 
 # Delete the lock only if it is still ours: after expiry it may belong to another replica.
 _RELEASE_LUA = """
@@ -44,46 +32,24 @@ return 0
 _OUTAGE = (RedisError, OSError, TimeoutError)
 
 
-def redact_url(url: str) -> str:
-    """scheme://host:port/db without user or password, for logs."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        return "<unparsable redis url>"
-    return f"{parts.scheme}://{host}{port}{parts.path}"
-
-
-class RedisStore:
-    """See the module docstring. `client` and `clock` are injectable (tests, shared pools)."""
+class RedisBackend:
+    """See the module docstring. `client` is injectable (tests, shared pools)."""
 
     name = "redis"
+    shared = True
 
     def __init__(
         self,
         url: str,
         key_prefix: str,
         ttl_s: int,
-        lock_ttl_s: float,
         *,
         socket_timeout_s: float = 0.5,
         connect_timeout_s: float = 0.5,
-        retry_after_s: float = 2.0,
-        clock: Callable[[], float] = time.monotonic,
         client: Redis | RedisCluster | None = None,
     ) -> None:
-        self.available = True
-        self.errors = 0
-        self.last_error: str | None = None  # exception class name only
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
-        self.lock_ttl_s = lock_ttl_s
-        self._retry_after_s = retry_after_s
-        self._retry_at = float("-inf")
-        self._clock = clock
-        self._where = redact_url(url)
-        self._log = RateLimitedLog(log, clock=clock)
         if client is None:
             # One retry, on connection errors only: a pooled connection that went stale across
             # a Redis restart reconnects at once, while a timeout never doubles the stall.
@@ -94,8 +60,6 @@ class RedisStore:
                 retry=Retry(NoBackoff(), 1, (RedisConnectionError,)),
             )
         self._client = client
-        # A cluster spreads prefix keys over slots: one MGET per node instead of one in all.
-        self._cluster = isinstance(client, RedisCluster)
         self._release = client.register_script(_RELEASE_LUA)
 
     def summary_key(self, key: str) -> str:
@@ -104,92 +68,42 @@ class RedisStore:
     def lock_key(self, key: str) -> str:
         return f"{self.key_prefix}lock:{key}"
 
-    async def _guarded(self, op: str, call: Callable[[], Awaitable[T]], default: T) -> T:
-        """Run one Redis call; on failure answer `default`, never raise (cancellation aside)."""
-        if self._clock() < self._retry_at:
-            return default
-        try:
-            result = await call()
-        except _OUTAGE as exc:
-            self.errors += 1
-            self.available = False
-            self.last_error = type(exc).__name__
-            self._retry_at = self._clock() + self._retry_after_s
-            self._log.warning(
-                "summary store: redis %s failed at %s (%s); continuing without the store "
-                "for %.1fs (errors=%d)",
-                op, self._where, type(exc).__name__, self._retry_after_s, self.errors,
-            )  # fmt: skip
-            return default
-        self.available = True
-        return result
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = [self.summary_key(k) for k in keys]
+        with _outage():
+            if isinstance(self._client, RedisCluster):  # prefix keys spread over slots
+                found: list[Any] = await self._client.mget_nonatomic(names)
+            else:
+                found = await self._client.mget(names)
+        return [value.encode() if isinstance(value, str) else value for value in found]
 
-    def _decode(self, raw: bytes | str | None) -> StoredSummary | None:
-        if raw is None:
-            return None
-        try:
-            return StoredSummary.decode(raw)
-        except ValueError as exc:
-            self._log.warning("summary store: ignoring unreadable entry (%s)", exc)
-            return None
+    async def set(self, key: str, value: bytes) -> None:
+        with _outage():
+            await self._client.set(self.summary_key(key), value, ex=self.ttl_s)
 
-    async def _mget(self, keys: list[str], max_length: int) -> list[StoredSummary | None]:
-        """Entries for prefixes 1..n, in order, in one MGET; a length mismatch reads as absent."""
-        probed = probe_range(keys, max_length)
-        if not probed:
-            return []
+    async def lock(self, key: str, token: str, ttl_s: float) -> bool:
+        """SET NX PX: if the holder dies, the lock expires on its own."""
+        with _outage():
+            taken = await self._client.set(
+                self.lock_key(key), token, nx=True, px=max(1, int(ttl_s * 1000))
+            )
+        return bool(taken)
 
-        async def call() -> list[bytes | str | None]:
-            names = [self.summary_key(k) for k in probed]
-            if isinstance(self._client, RedisCluster):
-                return await self._client.mget_nonatomic(names)
-            return await self._client.mget(names)
-
-        empty: list[bytes | str | None] = []
-        raws = await self._guarded("mget", call, empty)
-        return [matches(self._decode(raw), i + 1) for i, raw in enumerate(raws)]
-
-    async def get(self, key: str) -> StoredSummary | None:
-        async def call() -> bytes | str | None:
-            return await self._client.get(self.summary_key(key))
-
-        return self._decode(await self._guarded("get", call, None))
-
-    async def longest(self, keys: list[str], max_length: int) -> StoredSummary | None:
-        for summary in reversed(await self._mget(keys, max_length)):
-            if summary is not None:
-                return summary
-        return None
-
-    async def lookup_all(self, keys: list[str], max_length: int) -> list[StoredSummary]:
-        return [s for s in reversed(await self._mget(keys, max_length)) if s is not None]
-
-    async def put(self, key: str, summary: StoredSummary) -> None:
-        async def call() -> object:
-            return await self._client.set(self.summary_key(key), summary.encode(), ex=self.ttl_s)
-
-        await self._guarded("set", call, None)
-
-    async def acquire_lock(self, key: str, token: str) -> LockResult:
-        """SET NX PX lock_ttl_s: if the holder dies, the lock expires on its own."""
-        ttl_ms = max(1, int(self.lock_ttl_s * 1000))
-
-        async def call() -> LockResult:
-            taken = await self._client.set(self.lock_key(key), token, nx=True, px=ttl_ms)
-            return "acquired" if taken else "held"
-
-        return await self._guarded("lock", call, "unavailable")
-
-    async def release_lock(self, key: str, token: str) -> None:
-        async def call() -> object:
-            return await self._release(keys=[self.lock_key(key)], args=[token])
-
-        await self._guarded("unlock", call, None)
+    async def unlock(self, key: str, token: str) -> None:
+        with _outage():
+            await self._release(keys=[self.lock_key(key)], args=[token])
 
     async def ping(self) -> None:
-        """Raises unless Redis answers now (readiness: not guarded like the calls above)."""
         await self._client.ping()
 
     async def close(self) -> None:
         with contextlib.suppress(*_OUTAGE):
             await self._client.aclose()
+
+
+@contextlib.contextmanager
+def _outage() -> Any:
+    try:
+        yield
+    except _OUTAGE as exc:
+        raise StoreUnavailable(type(exc).__name__) from None

@@ -8,7 +8,7 @@ Two layers:
   last waiter is gone. Entries leave the table as soon as the task is done, so the table
   holds only work in progress and a failure is never cached.
 - `SummaryFlight` (what the planner uses): a `SingleFlight` keyed by prefix key, whose shared
-  task finds-or-makes a `StoredSummary` and puts it in the store. With a `LockingStore`
+  task finds-or-makes a `StoredSummary` and puts it in the store. With a shared store
   (Redis) it also coordinates replicas: the replica that takes the key's lock (SET NX PX
   lock_ttl_s) makes the summary, stores it and releases the lock; the others poll the store
   with backoff until the entry appears, and take over if the lock is released or expires
@@ -25,7 +25,8 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar, cast
 
-from proxy.store.protocol import LockingStore, StoredSummary, SummaryStore
+from proxy.store.protocol import StoredSummary
+from proxy.store.store import SummaryStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,10 +97,12 @@ class SingleFlight:
 
 
 class SummaryFlight:
-    """Find-or-make a summary once per key, across tasks and (with a LockingStore) replicas.
+    """Find-or-make a summary once per key, across tasks and (with a shared store) replicas.
 
     `make` must return the summary for exactly the prefix `key` names; `run` stores it, so
-    the caller does not `put` it again. Polling is injectable: `sleep(seconds)` and `clock()`.
+    the caller does not `put` it again. With a store shared by replicas (`store.shared`),
+    the key's lock says which replica makes it. Polling is injectable: `sleep(seconds)` and
+    `clock()`.
     """
 
     def __init__(
@@ -126,7 +129,7 @@ class SummaryFlight:
 
     async def _once(self, key: str, make: Callable[[], Awaitable[StoredSummary]]) -> StoredSummary:
         store = self.store
-        if not isinstance(store, LockingStore):
+        if not store.shared:
             return await self._find_or_make(key, make)
         token = secrets.token_hex(16)
         deadline = self._clock() + store.lock_ttl_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.compaction.protocol import Message, Summary, Usage
+from proxy.compaction.simple import SimpleCompaction
 
 CALL_USAGE = Usage(10, 5)
 
@@ -44,3 +45,9 @@ class FakeClock:
     async def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds
+
+
+def compact_message(compaction: SimpleCompaction, history: list[Message]) -> Message | None:
+    """The summarizer's message for the span the strategy's own cut takes (None: nothing)."""
+    cut = compaction.cut(history)
+    return compaction.render(cut.to_compact) if cut.to_compact else None

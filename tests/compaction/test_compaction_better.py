@@ -27,9 +27,9 @@ def call(call_id: str, name: str = "run", arguments: str = "{}") -> dict[str, An
 
 
 def compact_text(compaction: SimpleCompaction, history: list[Message]) -> str:
-    message = compaction.cut(history).compact_message
-    assert message is not None
-    content = message["content"]
+    cut = compaction.cut(history)
+    assert cut.to_compact
+    content = compaction.render(cut.to_compact)["content"]
     assert isinstance(content, str)
     return content
 
@@ -57,16 +57,16 @@ async def test_leading_system_and_developer_messages_are_pinned(fake: FakeSummar
     assert content.startswith("## Message 1\nRole: user\n")
 
     result = await SimpleCompaction(2).compact(history, fake)
-    assert result.messages[0] is history[0] and result.messages[1] is history[1]
-    assert result.messages[2]["content"].startswith(SUMMARY_MARKER)
-    assert result.messages[3:] == history[6:]
+    assert result[0] is history[0] and result[1] is history[1]
+    assert result[2]["content"].startswith(SUMMARY_MARKER)
+    assert result[3:] == history[6:]
 
 
 def test_only_pinned_messages_is_a_no_op() -> None:
     history = [msg("system", "s"), msg("developer", "d")]
     prepared = SimpleCompaction(0).cut(history)
-    assert prepared.compact_message is None and prepared.pinned == history
-    assert SimpleCompaction(1).cut(history).compact_message is None
+    assert not prepared.to_compact and prepared.pinned == history
+    assert not SimpleCompaction(1).cut(history).to_compact
 
 
 # -- tool calls rendered ----------------------------------------------------------------------
@@ -177,7 +177,7 @@ async def test_odd_shapes_never_raise(odd: Message, fake: FakeSummarizer) -> Non
     history = [odd, msg("user", "u"), msg("assistant", "a")]
     before = copy.deepcopy(history)
     result = await SimpleCompaction(2, keep_last_user_message=False).compact(history, fake)
-    assert len(fake.calls) == 1 and result.summarized == 1
+    assert len(fake.calls) == 1 and len(result) == len(history)
     assert history == before
 
 
@@ -337,7 +337,7 @@ def test_nothing_to_do_when_the_latest_user_message_is_first() -> None:
         msg("tool", "r1", tool_call_id="c1"),
         msg("assistant", "done"),
     ]
-    assert SimpleCompaction(1).cut(history).compact_message is None
+    assert not SimpleCompaction(1).cut(history).to_compact
 
 
 def test_summary_role_is_configurable() -> None:
@@ -380,7 +380,6 @@ def test_cut_invariants(history: list[Message], n: int, keep_user: bool) -> None
     parts = prepared.pinned + prepared.to_compact + prepared.to_preserve
     assert len(parts) == len(history) and all(a is b for a, b in zip(parts, history, strict=True))
     assert prepared.index == len(prepared.pinned) + len(prepared.to_compact)
-    assert (prepared.compact_message is None) == (not prepared.to_compact)
     assert history == before
 
     compacted_calls = {c["id"] for m in prepared.to_compact for c in m.get("tool_calls") or []}

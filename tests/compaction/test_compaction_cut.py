@@ -4,23 +4,34 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_compaction_better import agent_histories
 
-from proxy.compaction.cut import (
-    DEFAULT_INJECTED,
-    CutRules,
-    PairingMemo,
-    cut_messages,
-    estimate_message,
-    message_keys,
-    pairing_state,
-    partners,
-)
+from proxy.compaction.chat_format import DEFAULT_INJECTED, ChatFormat
+from proxy.compaction.conversation import describe
+from proxy.compaction.cut import Cut, CutRules, cut_messages
 from proxy.compaction.protocol import Message
+
+FORMAT = ChatFormat(DEFAULT_INJECTED)
+
+
+def estimate_message(message: Message) -> int:
+    return len(json.dumps(message)) // 4 + 4
+
+
+def counting(
+    history: list[Message], count: Callable[[Message], int] = estimate_message
+) -> Callable[[int, int], list[int]]:
+    return lambda start, end: [count(m) for m in history[start:end]]
+
+
+def cut_of(history: list[Message], rules: CutRules, keep: int | None = None) -> Cut:
+    return cut_messages(
+        history, describe(FORMAT, history), rules, keep_tokens=keep, count=counting(history)
+    )
 
 
 def pairs_intact(head: list[Message], tail: list[Message]) -> bool:
@@ -42,8 +53,8 @@ def test_carry_mode_cut_invariants(
     history: list[Message], n: int, keep: int | None, task_cap: int | None
 ) -> None:
     before = copy.deepcopy(history)
-    rules = CutRules(n, "carry", task_cap, DEFAULT_INJECTED)
-    cut = cut_messages(history, rules, keep_tokens=keep)
+    rules = CutRules(n, "carry", task_cap)
+    cut = cut_of(history, rules, keep)
     assert history == before
     rest = cut.rest
     assert cut.pinned + rest == history
@@ -69,11 +80,6 @@ def test_carry_mode_cut_invariants(
         assert after_summary == [rest[users[-1]]]  # the latest ask, verbatim
 
 
-def _content_keys(messages: Sequence[Message]) -> list[int | None]:
-    """Stand-in for the body parser's byte keys: equal messages, equal key."""
-    return [hash(json.dumps(m, sort_keys=True)) for m in messages]
-
-
 ODD_PAIRS: list[Message] = [
     {"role": "system", "content": "s"},
     {"role": "tool", "tool_call_id": "late", "content": "result before its call"},
@@ -92,85 +98,45 @@ ODD_PAIRS: list[Message] = [
 
 @settings(max_examples=100, deadline=None)
 @given(history=agent_histories(), extra=st.integers(0, len(ODD_PAIRS)))
-def test_pairing_of_a_growing_history_equals_pairing_it_whole(
+def test_describing_a_growing_history_equals_describing_it_whole(
     history: list[Message], extra: int
 ) -> None:
-    """Turn by turn (1 to 8 new messages each) the remembered pairing is extended, and
-    every turn's partners are those of a pass over the whole history."""
+    """Turn by turn (1 to 8 new messages each) the previous turn's description is extended
+    with the new messages only: each equals a cold pass, and extending never changes the
+    description it started from (another body of the session may still read it)."""
     history = history + ODD_PAIRS[:extra]
-    memo = PairingMemo()
+    kept = None
     length = 0
     while length < len(history):
         length = min(len(history), length + 1 + length % 8)
         turn = copy.deepcopy(history[:length])  # new objects each turn, as parsed
-        assert memo.state(turn, _content_keys(turn)).partner == partners(turn)
-        with message_keys(_content_keys):  # the same through cut_history's entry point
-            assert partners(turn) == memo.state(turn, _content_keys(turn)).partner
+        before = None if kept is None else copy.deepcopy(kept)
+        extended = describe(FORMAT, turn, kept)
+        assert extended == describe(FORMAT, copy.deepcopy(turn))
+        assert kept == before
+        kept = extended
 
 
-def test_pairing_memo_is_bounded_by_messages() -> None:
-    memo = PairingMemo(max_messages=100)
-    for session in range(50):
-        turn: list[Message] = [{"role": "user", "content": f"{session} {i}"} for i in range(30)]
-        memo.state(turn, _content_keys(turn))
-    assert 1 <= len(memo) <= 100 // 30
-
-
-class _Holder:
-    """What the body's spans offer the cut: the message list and a pairing slot."""
-
-    def __init__(self, messages: list[Message], pairing: object = None) -> None:
-        self.messages = messages
-        self.pairing = pairing
-
-
-@settings(max_examples=100, deadline=None)
-@given(history=agent_histories(), extra=st.integers(0, len(ODD_PAIRS)))
-def test_pairing_kept_on_the_body_equals_pairing_it_whole(
-    history: list[Message], extra: int
-) -> None:
-    """Each turn's body inherits the pairing its previous one kept (as an extended body's
-    spans do) and pairs only its new messages: the partners equal a cold pass, and a caller
-    changing the list it got changes nothing later turns see."""
-    history = history + ODD_PAIRS[:extra]
-    kept: object = None
-    length = 0
-    while length < len(history):
-        length = min(len(history), length + 1 + length % 8)
-        turn = copy.deepcopy(history[:length])
-        holder = _Holder(turn, kept)
-        with message_keys(_content_keys, holder):
-            got = partners(turn)
-            again = partners(turn)  # the body's own, kept
-        assert got == partners(copy.deepcopy(turn)) == again
-        assert holder.pairing is not None
-        users = [i for i, m in enumerate(turn) if m.get("role") == "user"]
-        with message_keys(_content_keys, holder):
-            assert pairing_state(turn).users == users  # only the new messages' looked at
-        got[:] = [-1] * len(got)
-        with message_keys(None, holder):
-            assert partners(turn) == again
-        assert partners(turn) == again  # no holder: the memo, not the body's
-        kept = holder.pairing
-    other = _Holder(copy.deepcopy(history), kept)
-    with message_keys(_content_keys, other):
-        assert partners(history) == partners(copy.deepcopy(history))  # another list: not kept
-    assert other.pairing is kept
+def test_odd_pairs_stay_together() -> None:
+    described = describe(FORMAT, ODD_PAIRS)
+    partner = described.partner
+    assert partner[7] == 1  # a call whose result came first is bound to it
+    assert partner[4] == 2  # no id: the nearest earlier call
+    assert partner[6] == 5  # legacy function result: its function_call
+    assert partner[8] == 2 and partner[9] == 2  # the nearest earlier call of that id
+    assert partner[11] == 7
 
 
 class _Counts:
-    """A count that can also count many at once, as the compactor's is."""
+    """Counts of a range of the history, recording how often it is asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, history: list[Message]) -> None:
+        self.history = history
         self.calls = 0
 
-    def __call__(self, message: Message) -> int:
+    def __call__(self, start: int, end: int) -> list[int]:
         self.calls += 1
-        return estimate_message(message)
-
-    def each(self, messages: Sequence[Message]) -> list[int]:
-        self.calls += 1
-        return [estimate_message(m) for m in messages]
+        return [estimate_message(m) for m in self.history[start:end]]
 
 
 @settings(max_examples=200, deadline=None)
@@ -178,15 +144,20 @@ class _Counts:
 def test_the_token_cut_counted_in_blocks_cuts_where_one_by_one_does(
     history: list[Message], keep: int, n: int
 ) -> None:
-    rules = CutRules(n, "carry", 40, DEFAULT_INJECTED)
-    counts = _Counts()
-    by_blocks = cut_messages(history, rules, keep_tokens=keep, count=counts)
-    one_by_one = cut_messages(history, rules, keep_tokens=keep, count=estimate_message)
+    rules = CutRules(n, "carry", 40)
+    counts = _Counts(history)
+    described = describe(FORMAT, history)
+    by_blocks = cut_messages(history, described, rules, keep_tokens=keep, count=counts)
+
+    def one_at_a_time(start: int, end: int) -> list[int]:
+        return [estimate_message(m) for m in history[start:end]]
+
+    one = cut_messages(history, described, rules, keep_tokens=keep, count=one_at_a_time)
     assert (by_blocks.index, by_blocks.stops, by_blocks.task, by_blocks.asks) == (
-        one_by_one.index,
-        one_by_one.stops,
-        one_by_one.task,
-        one_by_one.asks,
+        one.index,
+        one.stops,
+        one.task,
+        one.asks,
     )
     # a handful of calls for the tail: the first block, doubled each time (and the task)
     assert counts.calls <= 2 + max(1, len(history)).bit_length()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from compaction_fakes import FakeSummarizer
+from compaction_fakes import FakeSummarizer, compact_message
 
 from proxy.compaction.prompt import COMPACT_PROMPT, SUMMARY_MARKER, SYSTEM_PROMPT
-from proxy.compaction.protocol import Compaction, Message, Usage
+from proxy.compaction.protocol import Compaction, Message, Summarizing
 from proxy.compaction.simple import SimpleCompaction
 
 
@@ -26,24 +26,23 @@ def conversation() -> list[Message]:
     ]
 
 
-def test_satisfies_the_protocol() -> None:
-    assert isinstance(SimpleCompaction(), Compaction)
+def test_satisfies_both_protocols() -> None:
+    assert isinstance(SimpleCompaction(), Compaction)  # compact(messages, llm), standalone
+    assert isinstance(SimpleCompaction(), Summarizing)  # what the proxy runs, with the store
 
 
 async def test_too_few_messages_is_a_no_op(fake: FakeSummarizer) -> None:
     history = [msg("user", "hi")]
-    prepared = SimpleCompaction().cut(history)
-    assert prepared.compact_message is None
+    assert compact_message(SimpleCompaction(), history) is None
     result = await SimpleCompaction().compact(history, fake)
-    assert result.messages == history and result.messages[0] is history[0]
-    assert result.summarized == 0 and result.usage == Usage()
+    assert result == history and result[0] is history[0]
     assert fake.calls == []
 
 
 async def test_exactly_n_messages_is_a_no_op(fake: FakeSummarizer) -> None:
     history = [msg("user", "hi"), msg("assistant", "hello")]
     prepared = SimpleCompaction(2).cut(history)
-    assert prepared.compact_message is None
+    assert compact_message(SimpleCompaction(2), history) is None
     assert prepared.to_compact == [] and prepared.to_preserve == history and prepared.index == 0
     await SimpleCompaction(2).compact(history, fake)
     assert fake.calls == []
@@ -64,7 +63,7 @@ def test_cut_counts_user_and_assistant_from_the_end() -> None:
 
 def test_compact_message_is_numbered_messages_then_the_prompt() -> None:
     history = conversation()
-    message = SimpleCompaction(2).cut(history).compact_message
+    message = compact_message(SimpleCompaction(2), history)
     assert message is not None and message["role"] == "user"
     content = message["content"]
     assert content.startswith("## Message 1\nRole: user\nContent:\nbuild the parser")
@@ -86,12 +85,11 @@ async def test_compact_calls_once_and_keeps_the_tail_verbatim(fake: FakeSummariz
     system_prompt, sent = fake.calls[0]
     assert system_prompt == SYSTEM_PROMPT
     assert len(sent) == 1 and sent[0]["role"] == "user"
-    summary, *tail = result.messages
+    summary, *tail = result
     assert summary == {"role": "user", "content": f"{SUMMARY_MARKER}\nThe user builds a parser."}
     assert all(a is b for a, b in zip(tail, history[3:], strict=True))
     assert history == before  # nothing mutated, unknown fields intact
-    assert result.summarized == 3 and result.summary == "The user builds a parser."
-    assert result.usage == fake.usage
+    assert len(tail) == len(history) - 3
 
 
 def test_thinking_is_dropped_from_the_summarizer_input() -> None:
@@ -109,7 +107,7 @@ def test_thinking_is_dropped_from_the_summarizer_input() -> None:
         msg("user", "next"),
         msg("assistant", "ok"),
     ]
-    message = SimpleCompaction(2).cut(history).compact_message
+    message = compact_message(SimpleCompaction(2), history)
     assert message is not None
     content = message["content"]
     assert "the answer" in content
@@ -134,10 +132,10 @@ def test_tool_messages_do_not_count_and_travel_with_the_cut() -> None:
 
 def test_custom_instruction_follows_the_prompt() -> None:
     focused = SimpleCompaction(2, custom_instruction="Keep all SQL")
-    message = focused.cut(conversation()).compact_message
+    message = compact_message(focused, conversation())
     assert message is not None
     content = message["content"]
     assert content.index(COMPACT_PROMPT) < content.index("Keep all SQL")
     assert "priority" in content[content.index(COMPACT_PROMPT) + len(COMPACT_PROMPT) :]
-    blank = SimpleCompaction(2, custom_instruction="   ").cut(conversation()).compact_message
+    blank = compact_message(SimpleCompaction(2, custom_instruction="   "), conversation())
     assert blank is not None and blank["content"].endswith(COMPACT_PROMPT)

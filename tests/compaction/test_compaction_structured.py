@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compaction_fakes import FakeSummarizer
+from compaction_fakes import FakeSummarizer, compact_message
 
 from proxy.compaction.prompt import (
     COMPACT_PROMPT,
@@ -13,7 +13,7 @@ from proxy.compaction.prompt import (
     STRUCTURED_PROMPT,
     SUMMARY_MARKER,
 )
-from proxy.compaction.protocol import Compaction, Message
+from proxy.compaction.protocol import Message, Summarizing
 from proxy.compaction.simple import SimpleCompaction
 from proxy.compaction.structured import StructuredCompaction
 
@@ -34,12 +34,12 @@ HISTORY = [
 
 def test_satisfies_the_protocol_and_cuts_like_simple() -> None:
     structured = StructuredCompaction(2)
-    assert isinstance(structured, Compaction)
+    assert isinstance(structured, Summarizing)
     assert structured.cut(HISTORY).index == SimpleCompaction(2).cut(HISTORY).index
 
 
 def test_asks_for_the_template_with_facts_kept_verbatim() -> None:
-    message = StructuredCompaction(2).cut(HISTORY).compact_message
+    message = compact_message(StructuredCompaction(2), HISTORY)
     assert message is not None
     content = message["content"]
     assert content.endswith(STRUCTURED_PROMPT) and COMPACT_PROMPT not in content

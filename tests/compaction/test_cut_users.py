@@ -1,11 +1,12 @@
-"""The cut's user positions and injected answers: the C-loop path and its memo answer what
-the plain loop and the patterns do."""
+"""The cut's user positions and injected answers: what the plain loop and the patterns do."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from proxy.compaction.cut import DEFAULT_INJECTED, CutRules, cut_history, pairing_state
+from proxy.compaction.chat_format import DEFAULT_INJECTED, ChatFormat
+from proxy.compaction.conversation import describe
+from proxy.compaction.cut import CutRules, plan_cut
 
 
 def test_user_positions_with_and_without_odd_messages() -> None:
@@ -17,20 +18,21 @@ def test_user_positions_with_and_without_odd_messages() -> None:
         {"content": "no role"},
         {"role": "user", "content": "ask"},
     ]
-    assert pairing_state(history).users == [1, 5]
-    assert pairing_state([*history, "not a message", {"role": "user"}]).users == [1, 5, 7]
+    chat = ChatFormat()
+    assert describe(chat, history).users == [1, 5]
+    assert describe(chat, [*history, "not a message", {"role": "user"}]).users == [1, 5, 7]
 
 
 def test_injected_answers_are_remembered_per_text_not_per_message() -> None:
-    rules = CutRules(2, "carry", None, DEFAULT_INJECTED)
+    chat = ChatFormat(DEFAULT_INJECTED)
     complaint = {"role": "user", "content": "Tool call error: reply with exactly one tool call."}
     ask = {"role": "user", "content": "Now fix the importer."}
     for _ in range(2):  # the second round answers from the memo
-        assert rules.is_injected(complaint) and rules.is_injected(dict(complaint))
-        assert not rules.is_injected(ask)
-    history = [{"role": "user", "content": "task"}]
+        assert chat.is_injected(complaint) and chat.is_injected(dict(complaint))
+        assert not chat.is_injected(ask)
+    history: list[Any] = [{"role": "user", "content": "task"}]
     for turn in range(6):
         said = ask if turn < 3 else complaint
         history += [{"role": "assistant", "content": f"step {turn}"}, said]
-    plan = cut_history(history, rules)
+    plan = plan_cut(describe(chat, history), CutRules(2, "carry"))
     assert plan.asks == (0, 2, 4, 6)  # the complaints after the last ask are not asks

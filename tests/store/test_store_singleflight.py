@@ -1,4 +1,4 @@
-"""Single flight, in-process and across replicas (two RedisStore instances on a real server)."""
+"""Single flight, in-process and across replicas (two Redis-backed stores on a real server)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,20 @@ import pytest
 from redis.asyncio import Redis
 
 from proxy.compaction.protocol import Usage
-from proxy.store import MemoryStore, NullStore, SingleFlight, StoredSummary, SummaryFlight
-from proxy.store.redis import RedisStore
+from proxy.store import (
+    MemoryBackend,
+    NullStore,
+    SingleFlight,
+    StoredSummary,
+    SummaryFlight,
+    SummaryStore,
+)
+from proxy.store.redis import RedisBackend
+
+
+def RedisStore(url: str, key_prefix: str, *, ttl_s: int, lock_ttl_s: float) -> SummaryStore:
+    return SummaryStore(RedisBackend(url, key_prefix, ttl_s), lock_ttl_s=lock_ttl_s)
+
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 KEY = "ab" * 32
@@ -126,7 +138,7 @@ async def test_call_cancelled_when_every_waiter_leaves() -> None:
 
 
 async def test_summary_flight_stores_and_reuses_in_memory() -> None:
-    store = MemoryStore(1_000_000, 60)
+    store = SummaryStore(MemoryBackend(1_000_000, 60))
     flight = SummaryFlight(store)
     make = Factory()
     make.release.set()
@@ -148,7 +160,7 @@ async def test_summary_flight_without_store_just_makes() -> None:
 
 
 @pytest.fixture
-async def replicas(key_prefix: str) -> AsyncIterator[tuple[RedisStore, RedisStore]]:
+async def replicas(key_prefix: str) -> AsyncIterator[tuple[SummaryStore, SummaryStore]]:
     a = RedisStore(REDIS_URL, key_prefix, ttl_s=60, lock_ttl_s=30)
     b = RedisStore(REDIS_URL, key_prefix, ttl_s=60, lock_ttl_s=30)
     yield a, b
@@ -170,7 +182,7 @@ class PollRecorder:
 
 
 async def test_second_replica_waits_for_first_replicas_summary(
-    replicas: tuple[RedisStore, RedisStore], redis_client: Redis, key_prefix: str
+    replicas: tuple[SummaryStore, SummaryStore], redis_client: Redis, key_prefix: str
 ) -> None:
     store_a, store_b = replicas
     poll = PollRecorder()
@@ -194,7 +206,7 @@ async def test_second_replica_waits_for_first_replicas_summary(
 
 
 async def test_waiter_takes_over_when_the_holder_fails(
-    replicas: tuple[RedisStore, RedisStore],
+    replicas: tuple[SummaryStore, SummaryStore],
 ) -> None:
     store_a, store_b = replicas
     poll = PollRecorder()
@@ -220,7 +232,7 @@ async def test_waiter_takes_over_when_the_holder_fails(
 
 
 async def test_cancelled_holder_releases_its_lock(
-    replicas: tuple[RedisStore, RedisStore], redis_client: Redis, key_prefix: str
+    replicas: tuple[SummaryStore, SummaryStore], redis_client: Redis, key_prefix: str
 ) -> None:
     store_a, _ = replicas
     make = Factory()
