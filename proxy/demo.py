@@ -83,7 +83,7 @@ def register_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         default=DEFAULT_PROXY_URL,
         help=f"the proxy's /v1 URL (default {DEFAULT_PROXY_URL})",
     )
-    demo.add_argument("--turns", type=int, default=9, help="requests to send (default 9)")
+    demo.add_argument("--turns", type=int, default=11, help="requests to send (default 11)")
     demo.add_argument(
         "--budget",
         type=int,

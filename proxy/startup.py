@@ -12,6 +12,11 @@ from proxy.redact import redact_url
 from proxy.settings import Settings
 
 
+def strategy_name(strategy: str | list[str]) -> str:
+    """A strategy setting as one word: a list of stages is written `mask+simple`."""
+    return strategy if isinstance(strategy, str) else "+".join(strategy)
+
+
 def startup_fields(settings: Settings) -> dict[str, str | int]:
     """The fields of the start-up line (`log.info(..., extra=startup_fields(settings))`)."""
     compaction = settings.compaction
@@ -20,7 +25,7 @@ def startup_fields(settings: Settings) -> dict[str, str | int]:
     fields: dict[str, str | int] = {
         "compaction": "on" if compaction.enabled else "off",
         "budget_tokens": compaction.budget_tokens,
-        "strategy": compaction.strategy,
+        "strategy": strategy_name(compaction.strategy),
         "keys": len(settings.auth.keys),
     }
     if compaction.models:

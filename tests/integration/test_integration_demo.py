@@ -105,7 +105,7 @@ def test_three_commands_show_compacted_then_reused_without_a_key(
     rows = [line.split() for line in demo.stdout.splitlines() if line[:4].strip().isdigit()]
     statuses = [row[2] for row in rows]
     assert statuses[:2] == ["compacted", "reused"], demo.stdout
-    assert statuses[-1] == "extended", demo.stdout
+    assert "extended" in statuses[2:], demo.stdout
     assert "1 turn compacted" in demo.stdout
 
     # The newcomer's own code: the official SDK, any api_key, the proxy's URL. Another key than
