@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     from proxy.usage.command import register_commands as register_usage
 
     register_usage(commands)
+    from proxy.replay.command import register_commands as register_replay
+
+    register_replay(commands)
     return parser
 
 
