@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy import jsonbytes
+from proxy.audit.hook import audit
 from proxy.auth import Caller, ProxyKey, check_model
 from proxy.compaction.protocol import Spend
 from proxy.compactor import Control, model_of
@@ -29,6 +30,7 @@ from proxy.validation import discard_messages, parse_chat, read_body
 async def chat_completions(request: Request) -> Response:
     exchange = Exchange(request)
     state = exchange.state
+    audit_id: str | None = None  # the audit record of this request's compaction, if queued
 
     async def compact_and_forward(
         body: dict[str, Any],
@@ -40,6 +42,7 @@ async def chat_completions(request: Request) -> Response:
         tap: ChatTap | None,
     ) -> tuple[httpx.Response, RawHeaders]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
+        nonlocal audit_id
         outcome = exchange.compacted(
             await state.compactor.run(
                 body,
@@ -52,6 +55,8 @@ async def chat_completions(request: Request) -> Response:
                 spend=None if tap is None else tap.spend,
             )
         )
+        if state.audit is not None:
+            audit_id = audit(state, exchange.request_id, caller, body, outcome, control)
         tokens = exchange.record.tokens_after
         if tokens is None and state.quotas.counts_tokens(caller.key):  # not counted (mode off)
             tokens = await state.counter.acount_request(body)
@@ -107,6 +112,8 @@ async def chat_completions(request: Request) -> Response:
         exchange.unanswered(sent=True)
         return exchange.disconnected()
     headers = exchange.compaction_headers()
+    if audit_id is not None:
+        headers["x-compaction-audit"] = audit_id
     if tap is None:
         return await exchange.relay(response, headers)
     return await exchange.relay(response, headers, tap, raw_headers=quota)
