@@ -94,6 +94,9 @@ def register_commands(commands: Any) -> None:
     replay.set_defaults(func=replay_command)
 
 
+# Exit codes: 0 done; 1 done, a session failed midway (reported); 2 bad input; 130 Ctrl-C.
+
+
 def _fail(message: str) -> int:
     print(f"compaction-proxy replay: error: {message}", file=sys.stderr)
     return 2
@@ -204,8 +207,8 @@ def replay_command(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     finally:
         counter.close()
-    if code == 0:
-        _write(report, out, interrupted=False)
+    if code == 0 and not _write(report, out, interrupted=False):
+        return 1  # written, with a session that failed midway
     return code
 
 
@@ -252,7 +255,8 @@ async def _replay(
     return 0
 
 
-def _write(report: Report, out: Path, *, interrupted: bool) -> None:
+def _write(report: Report, out: Path, *, interrupted: bool) -> bool:
+    """Write the report; False when a run failed."""
     data = report.as_json()
     written = write_report(data, out)
     state = "interrupted; wrote what is done" if interrupted else "wrote"
@@ -267,3 +271,4 @@ def _write(report: Report, out: Path, *, interrupted: bool) -> None:
             f"failed: {run['session']} {run['strategy']} {run['budget'] or ''}: {run['error']}",
             file=sys.stderr,
         )
+    return not failed

@@ -7,7 +7,9 @@
   single file names with a common extension (`Makefile` has none: not one);
 - code names: names with an underscore (`reserve_stock`, `LOCK_TIMEOUT_MS`), CamelCase
   names (`SkuRecord`, `ReservationConflictError`, `getUserById`) and names called with `(`;
-- ids: upper-case words joined by `-` with a digit in them (`SKU-48213`, `INC-20931`);
+- ids: upper-case words joined by `-` with a digit in them (`SKU-48213`, `INC-20931`), and
+  codes of 6 or more letters and digits with at least 3 digits (`1Z999AA10123456784`,
+  `7f04953`);
 - numbers with 3 or more digits (`2500`, `412,600`, `41.2`, `2024-05-02` gives `2024`);
 - quoted strings: 3 to 100 characters between backticks, double or single quotes, on one
   line, holding something other than letters and `_` (`"1.234,56"`, `` `make check` ``;
@@ -38,6 +40,7 @@ _SNAKE = re.compile(r"(?<![\w])_*[A-Za-z][A-Za-z0-9]*(?:_+[A-Za-z0-9]+)+\b")
 _CAMEL = re.compile(r"\b(?:[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+|[a-z]+(?:[A-Z][a-z0-9]+)+)\b")
 _CALLED = re.compile(r"\b[A-Za-z_]\w*(?=\()")
 _ID = re.compile(r"\b[A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+\b")
+_CODE = re.compile(r"\b(?=[A-Za-z0-9]*[A-Za-z])(?=(?:[A-Za-z]*\d){3})[A-Za-z0-9]{6,}\b")
 _NUMBER = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|(?<![\w.,])\d+(?:\.\d+)?")
 _QUOTED = re.compile(r"`([^`\n]{3,100})`|\"([^\"\n]{3,100})\"|'([^'\n]{3,100})'")
 _TRAILING = ".,;:!?"
@@ -67,6 +70,7 @@ def identifiers(text: str) -> set[str]:
         )
     if "-" in rest:
         found.update(m.group() for m in _ID.finditer(rest) if _has_digit(m.group()))
+    found.update(m.group() for m in _CODE.finditer(rest))
     for match in _NUMBER.finditer(rest):
         number = match.group()
         if sum(c.isdigit() for c in number) >= 3:
