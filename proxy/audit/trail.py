@@ -5,8 +5,9 @@ the sample) and puts references on a bounded queue, which never blocks; the thre
 each record, serializes it and hands it to the sink. A full queue (a slow sink) or a sink
 that fails drops the record: counted in `compaction_proxy_audit_dropped_total{reason}`
 (`queue_full`, `sink_error`), with one warning a minute at most. The reply's
-`x-compaction-audit: <id>` names a record that was queued; one the sink then fails to write
-is counted as dropped.
+`x-compaction-audit: <id>` names a record that was queued while the sink's last write
+succeeded (a failing sink gets records, to notice when it is back, but no header promises
+them); one the sink then fails to write is counted as dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class AuditTrail:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.written = 0
+        self.healthy = True  # the sink's last write succeeded (or none was tried)
         self.dropped: dict[str, int] = {"queue_full": 0, "sink_error": 0}
         self._unreported = 0
         self._warned_at = -WARN_EVERY_S
@@ -103,7 +105,7 @@ class AuditTrail:
             return None
         if self._thread is None:
             self._start()
-        return item.id
+        return item.id if self.healthy else None
 
     def _sampled(self, key_id: str | None, body: dict[str, Any]) -> bool:
         """The same answer for every request of a session (its first two messages)."""
@@ -138,8 +140,10 @@ class AuditTrail:
                     sink = self._make_sink()
                 sink.write(item.id, orjson.dumps(build(item)))
             except Exception as exc:
+                self.healthy = False
                 self._drop("sink_error", exc)
             else:
+                self.healthy = True
                 with self._lock:
                     self.written += 1
                 if self._records is not None:
