@@ -28,6 +28,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+# Version 2 writes no back-references: equal messages give equal bytes, however their
+# strings are shared between objects (version 3 and later would not).
+_MARSHAL_VERSION = 2
 
 _EXTENSIONS = (
     "py|pyi|js|mjs|ts|tsx|jsx|go|rs|java|kt|rb|php|c|h|cc|cpp|hpp|cs|swift|scala|sh|sql|"
@@ -128,7 +131,7 @@ class ByContent(Generic[T]):
 
     def of(self, message: Any) -> T:
         try:
-            key = marshal.dumps(message)
+            key = marshal.dumps(message, _MARSHAL_VERSION)
         except ValueError:  # not plain JSON values: not kept
             return self._compute(message)
         value = self._values.get(key)
