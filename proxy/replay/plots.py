@@ -29,6 +29,12 @@ def plot_all(report: dict[str, Any], out: Path) -> list[Path]:
 
     written = []
     sessions = [s["name"] for s in report["sessions"]]
+    # Color by budget, line style and marker by strategy: equal results stay told apart.
+    budgets = sorted({r["budget"] for r in report["runs"] if r["budget"] is not None})
+    strategies = list(dict.fromkeys(r["strategy"] for r in report["runs"] if r["budget"]))
+    colors = {b: f"C{i % 10}" for i, b in enumerate(budgets)}
+    styles = {s: ("-", "--", "-.", ":")[i % 4] for i, s in enumerate(strategies)}
+    markers = {s: ("o", "s", "^", "D", "v")[i % 5] for i, s in enumerate(strategies)}
     ok = [r for r in report["runs"] if r["status"] == "ok" or r.get("forwarded_tokens")]
     if sessions:
         figure, axes = plt.subplots(
@@ -43,9 +49,9 @@ def plot_all(report: dict[str, Any], out: Path) -> list[Path]:
                     range(1, len(series) + 1),
                     series,
                     label=label,
-                    color="0.6" if baseline else None,
+                    color="0.6" if baseline else colors[run["budget"]],
                     linewidth=1.0 if baseline else 1.4,
-                    linestyle="--" if baseline else "-",
+                    linestyle=":" if baseline else styles[run["strategy"]],
                 )
             axis.set_title(name, fontsize=10)
             axis.set_ylabel("forwarded tokens")
@@ -67,20 +73,25 @@ def plot_all(report: dict[str, Any], out: Path) -> list[Path]:
                 continue
             baseline = row["strategy"] == "none"
             label = "none" if baseline else f"{row['strategy']} @ {row['budget']:,}"
+            color = "0.5" if baseline else colors[row["budget"]]
+            marker = "*" if baseline else markers[row["strategy"]]
+            hollow = not baseline and marker != "o"  # a point behind another still shows
             axis.scatter(
-                [100 * recall], [row["cost_ratio"]], s=50, color="0.5" if baseline else None
-            )
-            axis.annotate(
-                label,
-                (100 * recall, row["cost_ratio"]),
-                fontsize=8,
-                xytext=(5, 4),
-                textcoords="offset points",
+                [100 * recall],
+                [row["cost_ratio"]],
+                s=90 if hollow else 50,
+                label=label,
+                marker=marker,
+                facecolors="none" if hollow else color,
+                edgecolors=color,
+                linewidths=1.5,
             )
         axis.set_xlabel("needed-later recall, mean over compacted turns (%)")
         axis.set_ylabel("cost vs none (prompt caching simulated)")
         axis.set_title("What compaction saves vs what it loses", fontsize=10)
+        axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
+        axis.legend(fontsize=8, loc="upper left")
         figure.tight_layout()
         path = out / "cost-recall.png"
         figure.savefig(path, dpi=110)
