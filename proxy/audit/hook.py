@@ -22,16 +22,22 @@ def audit(
     control: Control,
 ) -> str | None:
     """Queue the audit record of this request's compaction when the trail wants it; its id
-    (for `x-compaction-audit`), or None. Never waits and never raises for the sink."""
+    (for `x-compaction-audit`), or None. Never waits, never raises."""
     trail = state.audit
     if trail is None or not trail.wants(caller.key):
         return None
     strategy = control.strategy or state.settings.compaction.strategy
-    return trail.record(
-        request_id=request_id,
-        key=caller.key,
-        body=body,
-        outcome=outcome,
-        strategy=strategy,
-        fingerprint=lambda: strategy_fingerprint(state.compactor, model_of(body), control.strategy),
-    )
+    try:
+        return trail.record(
+            request_id=request_id,
+            key=caller.key,
+            body=body,
+            outcome=outcome,
+            strategy=strategy,
+            fingerprint=lambda: strategy_fingerprint(
+                state.compactor, model_of(body), control.strategy
+            ),
+        )
+    except Exception as exc:  # a record that cannot be taken never fails its request
+        trail.failed(exc)
+        return None

@@ -4,10 +4,11 @@ Writing never delays or fails a request: the request path only decides (the key'
 the sample) and puts references on a bounded queue, which never blocks; the thread builds
 each record, serializes it and hands it to the sink. A full queue (a slow sink) or a sink
 that fails drops the record: counted in `compaction_proxy_audit_dropped_total{reason}`
-(`queue_full`, `sink_error`), with one warning a minute at most. The reply's
-`x-compaction-audit: <id>` names a record that was queued while the sink's last write
-succeeded (a failing sink gets records, to notice when it is back, but no header promises
-them); one the sink then fails to write is counted as dropped.
+(`queue_full`, `sink_error`; `record_error` for one the request path could not take), with
+one warning a minute at most. The reply's `x-compaction-audit: <id>` names a record that
+was queued while the sink's last write succeeded (a failing sink gets records, to notice
+when it is back, but no header promises them); one the sink then fails to write is counted
+as dropped.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class AuditTrail:
         self._lock = threading.Lock()
         self.written = 0
         self.healthy = True  # the sink's last write succeeded (or none was tried)
-        self.dropped: dict[str, int] = {"queue_full": 0, "sink_error": 0}
+        self.dropped: dict[str, int] = {"queue_full": 0, "sink_error": 0, "record_error": 0}
         self._unreported = 0
         self._warned_at = -WARN_EVERY_S
         self._records: Counter | None = None
@@ -61,8 +62,8 @@ class AuditTrail:
             )
             self._drops = Counter(
                 "compaction_proxy_audit_dropped",
-                "Audit records dropped: queue_full (the sink is slower than requests) or "
-                "sink_error (the sink failed).",
+                "Audit records dropped: queue_full (the sink is slower than requests), "
+                "sink_error (the sink failed) or record_error (the record could not be taken).",
                 ("reason",),
                 registry=registry,
             )
@@ -106,6 +107,10 @@ class AuditTrail:
         if self._thread is None:
             self._start()
         return item.id if self.healthy else None
+
+    def failed(self, error: Exception) -> None:
+        """A record the request path could not take (a bug): counted, warned, never raised."""
+        self._drop("record_error", error)
 
     def _sampled(self, key_id: str | None, body: dict[str, Any]) -> bool:
         """The same answer for every request of a session (its first two messages)."""
@@ -171,8 +176,8 @@ class AuditTrail:
             log.warning(
                 "audit trail dropped %d record(s): %s%s; requests are not affected",
                 count,
-                "the sink is slower than the requests" if reason == "queue_full"
-                else "the sink failed",
+                {"queue_full": "the sink is slower than the requests",
+                 "sink_error": "the sink failed"}.get(reason, "a record could not be taken"),
                 cause,
             )  # fmt: skip
 

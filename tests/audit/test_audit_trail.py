@@ -176,7 +176,8 @@ async def test_a_broken_sink_changes_no_reply(tmp_path: Path, support: Session) 
     trail.close()
     assert [comparable(r) for r in responses] == [comparable(r) for r in expected]
     compacted = sum(1 for r in responses if r.headers["x-compaction-status"] != "passthrough")
-    assert trail.dropped == {"queue_full": 0, "sink_error": compacted} and trail.written == 0
+    assert trail.dropped == {"queue_full": 0, "sink_error": compacted, "record_error": 0}
+    assert trail.written == 0
     # Only the first record was promised before the sink was known to fail.
     assert sum(1 for r in responses if "x-compaction-audit" in r.headers) <= 1
 
@@ -231,7 +232,11 @@ async def test_a_slow_sink_never_holds_a_request(tmp_path: Path, support: Sessio
     # Every request was answered while the sink was still blocked: none waited for it.
     assert not sink.release.is_set()
     assert [r.status_code for r in answered] == [200] * 11
-    assert trail.dropped == {"queue_full": 8, "sink_error": 0}  # 1 in the sink, 2 queued
+    assert trail.dropped == {
+        "queue_full": 8,
+        "sink_error": 0,
+        "record_error": 0,
+    }  # 1 in the sink, 2 queued
     dropped = registry.get_sample_value("compaction_proxy_audit_dropped_total",
                                         {"reason": "queue_full"})  # fmt: skip
     assert dropped == 8
@@ -319,3 +324,18 @@ async def test_the_redis_sink_keeps_a_bounded_stream(
     assert [json.loads(line) for line in out.splitlines()] == [
         json.loads(raw) for raw in support.lines
     ]
+
+
+async def test_a_record_that_cannot_be_taken_fails_no_request(
+    tmp_path: Path, support: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(**fields: Any) -> Any:
+        raise ValueError("cannot take this record")
+
+    monkeypatch.setattr("proxy.audit.trail.pending", broken)
+    app = make_app(audited_settings(tmp_path / "audit"))
+    responses = await send_all(app, support, FakeOpenAI())
+    trail = app.state.proxy.audit
+    assert all(r.status_code == 200 and "x-compaction-audit" not in r.headers for r in responses)
+    compacted = sum(1 for r in responses if r.headers["x-compaction-status"] != "passthrough")
+    assert trail.dropped["record_error"] == compacted > 0
