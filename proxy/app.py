@@ -7,6 +7,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.admin import admin_keys, admin_usage
+from proxy.audit import AuditTrail
 from proxy.auth import Gate, KeySource
 from proxy.auth.keys_file import reload_on_sighup
 from proxy.chat import chat_completions
@@ -87,6 +89,7 @@ def create_app(
         quotas=Quotas(ledger, on_error=settings.quota.on_redis_error),
         meter=Meter(settings, ledger, Pricing(settings.pricing)),
         turns=TurnMemo(settings.cache.turn_memo_bytes),
+        audit=AuditTrail(settings, metrics.registry),
     )
     metrics.registry.register(QuotaCollector(state.quotas, state.meter))
 
@@ -114,6 +117,8 @@ def create_app(
                 if task is not None:
                     task.cancel()
             await state.meter.join()
+            if state.audit is not None:
+                await anyio.to_thread.run_sync(state.audit.close)
             await ledger.close()
             await client.aclose()
             await store.close()

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy import jsonbytes
+from proxy.audit.hook import audit
 from proxy.auth import Caller, ProxyKey, check_model
 from proxy.compaction.protocol import Spend
 from proxy.compactor import Control, compaction_error, model_of
@@ -30,6 +31,7 @@ from proxy.validation import discard_messages, parse_chat, read_body
 async def chat_completions(request: Request) -> Response:
     exchange = Exchange(request)
     state = exchange.state
+    audit_id: str | None = None  # the audit record of this request's compaction, if queued
 
     async def compact_and_forward(
         body: dict[str, Any],
@@ -41,6 +43,7 @@ async def chat_completions(request: Request) -> Response:
         tap: ChatTap | None,
     ) -> tuple[httpx.Response, Mapping[str, str]]:
         """Everything that waits on someone else, so one disconnect watcher covers it all."""
+        nonlocal audit_id
         outcome = exchange.compacted(
             await state.compactor.run(
                 body,
@@ -55,6 +58,8 @@ async def chat_completions(request: Request) -> Response:
         )
         if outcome.rejected:  # failed under on_error = "reject"
             raise compaction_error(outcome)
+        if state.audit is not None:
+            audit_id = audit(state, exchange.request_id, caller, body, outcome, control)
         tokens = exchange.record.tokens_after
         if tokens is None and state.quotas.counts_tokens(caller.key):  # not counted (mode off)
             tokens = await state.counter.acount_request(body)
@@ -105,6 +110,8 @@ async def chat_completions(request: Request) -> Response:
         exchange.unanswered(sent=True)
         return exchange.disconnected()
     headers = {**exchange.compaction_headers(), **quota_headers}
+    if audit_id is not None:
+        headers["x-compaction-audit"] = audit_id
     return await exchange.relay(response, headers, tap)
 
 

@@ -1,4 +1,5 @@
-"""`compaction-proxy`: serve the proxy, count tokens, fetch tokenizer files."""
+"""`compaction-proxy`: serve the proxy, count tokens, fetch tokenizer files, replay sessions,
+read the audit trail."""
 
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     from proxy.demo import register_commands as register_demo
 
     register_demo(commands)
+    from proxy.replay.command import register_commands as register_replay
+
+    register_replay(commands)
+    from proxy.audit.command import register_commands as register_audit
+
+    register_audit(commands)
     return parser
 
 

@@ -279,6 +279,8 @@ class KeySettings(Section):
     budget_tokens: int | None = Field(None, gt=0)
     mode: Literal["auto", "off", "force"] | None = None
     strategy: str | None = None
+    # The audit trail for this key's requests: true/false overrides [audit] enabled.
+    audit: bool | None = None
     requests_per_minute: int | None = Field(None, gt=0)
     prompt_tokens_per_minute: int | None = Field(None, gt=0)
     prompt_tokens_per_day: int | None = Field(None, gt=0)
@@ -323,6 +325,37 @@ class QuotaSettings(Section):
     request_stream_usage: bool = True
 
 
+class AuditSettings(Section):
+    """The audit trail of compactions (proxy/audit): off unless enabled here or per key."""
+
+    enabled: bool = False
+    # Share of sessions recorded (decided per session, by its first messages, so a sampled
+    # session is recorded whole).
+    sample_rate: float = Field(1.0, ge=0, le=1)
+    # "jsonl:DIR" (files in DIR) or "redis" (a stream at redis_url, key `stream_key`).
+    sink: str = "jsonl:audit"
+    # Also record requests that were not compacted (for `audit export` of whole sessions).
+    record_passthrough: bool = False
+    # Records waiting for the writer; past this, new ones are dropped (and counted).
+    queue_size: int = Field(1000, gt=0)
+    # jsonl: a file is closed past max_file_bytes; the oldest go past max_files.
+    max_file_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    max_files: int = Field(20, gt=0)
+    # redis: the stream keeps about max_len records, none older than ttl_s. Unset
+    # redis_url: cache.redis_url.
+    redis_url: str | None = None
+    stream_key: str = "compaction-proxy:audit"
+    max_len: int = Field(10_000, gt=0)
+    ttl_s: int = Field(7 * 24 * 3600, gt=0)
+
+    @field_validator("sink")
+    @classmethod
+    def _check_sink(cls, value: str) -> str:
+        if value != "redis" and not (value.startswith("jsonl:") and value[6:].strip()):
+            raise ValueError('expected "jsonl:DIR" or "redis"')
+        return value
+
+
 class PriceSettings(Section):
     """USD per 1M tokens."""
 
@@ -349,6 +382,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     admin: AdminSettings = AdminSettings()
     quota: QuotaSettings = QuotaSettings()
+    audit: AuditSettings = AuditSettings()
     # USD per 1M tokens by model glob; entries here override the shipped defaults (pricing.py).
     pricing: dict[str, PriceSettings] = {}
 

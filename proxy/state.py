@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxy.audit import AuditTrail
 from proxy.auth import Gate
 from proxy.compactor import Compactor, PromptCounter
 from proxy.quota import Quotas
@@ -23,3 +24,4 @@ class ProxyState:
     quotas: Quotas
     meter: Meter  # usage accounting
     turns: TurnMemo  # recent chat bodies' parsed state, per tenant
+    audit: AuditTrail | None = None  # the compactions' audit trail (proxy/audit)

@@ -29,7 +29,10 @@ def test_example_config_is_valid_and_equals_the_defaults() -> None:
 def test_example_documents_every_key() -> None:
     text = EXAMPLE.read_text()
     settings = Settings()
-    sections = ("server", "upstream", "tokenizer", "compaction", "cache", "auth", "admin", "quota")
+    sections = (
+        *("server", "upstream", "tokenizer", "compaction", "cache", "auth", "admin", "quota"),
+        "audit",
+    )
     for section in sections:
         for key in type(getattr(settings, section)).model_fields:
             if key in ("models", "summarizer", "mask"):

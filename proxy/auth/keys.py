@@ -57,6 +57,7 @@ class ProxyKey:
     mode: Literal["auto", "off", "force"] | None = None
     strategy: str | None = None
     limits: Limits = Limits()
+    audit: bool | None = None  # None: as [audit] enabled says
 
     _allowed: dict[str, bool] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
@@ -80,6 +81,7 @@ class ProxyKey:
             "budget_tokens": self.budget_tokens,
             "mode": self.mode,
             "strategy": self.strategy,
+            "audit": self.audit,
             "requests_per_minute": self.limits.requests_per_minute,
             "prompt_tokens_per_minute": self.limits.prompt_tokens_per_minute,
             "prompt_tokens_per_day": self.limits.prompt_tokens_per_day,
@@ -166,6 +168,7 @@ def build_key(entry: KeySettings, where: str, environ: Mapping[str, str]) -> Pro
             spend_usd_per_day=entry.spend_usd_per_day,
             spend_usd_per_month=entry.spend_usd_per_month,
         ),
+        audit=entry.audit,
     )
 
 
