@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from proxy.admin import admin_keys, admin_usage
 from proxy.auth import Gate, KeySource
@@ -30,6 +30,7 @@ from proxy.paths import upstream_path
 from proxy.quota import Quotas, create_ledger
 from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
+from proxy.responses import refuse_websocket, responses
 from proxy.redact import redact_url
 from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
 from proxy.startup import startup_fields
@@ -127,6 +128,8 @@ def create_app(
             Route("/admin/usage", admin_usage, methods=["GET"]),
             Route("/admin/keys", admin_keys, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            WebSocketRoute("/v1/responses", refuse_websocket),
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],

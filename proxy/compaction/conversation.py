@@ -31,8 +31,9 @@ from typing import Literal, Protocol
 from proxy.report import Message
 
 # How a compacted span treats an entry: summarized with the rest; dropped (never shown to a
-# summarizer: reasoning); or a barrier, never inside a compacted span (the history up to the
-# last barrier stays in place, like the pinned system messages).
+# summarizer: reasoning; and never separated from the entry after it, the output it led to,
+# which an API may refuse to see without it); or a barrier, never inside a compacted span
+# (the history up to the last barrier stays in place, like the pinned system messages).
 SpanRule = Literal["summarize", "drop", "barrier"]
 
 
@@ -78,8 +79,9 @@ class Described:
     """The entries of a history and what pairing them found.
 
     `partner[i]` is the lowest position that must stay on the same side of any cut as i:
-    a tool result's call, else i itself. A cut at c keeps every pair intact exactly when
-    min(partner[c:]) >= c. Read only: `extended` builds a new one from copies.
+    a tool result's call, or the dropped entry right before i, else i itself. A cut at c
+    keeps every pair intact exactly when min(partner[c:]) >= c. Read only: `extended`
+    builds a new one from copies.
     """
 
     key: str
@@ -114,8 +116,11 @@ class Described:
         pending = dict(self.pending)
         last_call, answered, barrier = self.last_call, self.answered, self.barrier
         dropped = self.dropped
+        after_drop = bool(self.entries) and self.entries[-1].span == "drop"
         for index, entry in enumerate(entries, len(self.entries)):
-            partner.append(index)
+            # An entry right after a dropped one (reasoning) stays on its side of any cut.
+            partner.append(index - 1 if after_drop else index)
+            after_drop = entry.span == "drop"
             call_of.append(-1)
             result_index.append(0)
             if entry.role == "user":
@@ -145,7 +150,7 @@ class Described:
                 result_index[index] = answered
                 answered += 1
             if call >= 0:
-                partner[index] = call
+                partner[index] = min(partner[index], call)
                 call_of[index] = call
         return Described(
             self.key,
