@@ -30,8 +30,8 @@ from proxy.paths import upstream_path
 from proxy.quota import Quotas, create_ledger
 from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
-from proxy.responses import refuse_websocket, responses
 from proxy.redact import redact_url
+from proxy.responses import refuse_websocket, responses
 from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
 from proxy.startup import startup_fields
 from proxy.state import ProxyState

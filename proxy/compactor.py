@@ -425,6 +425,7 @@ class Compactor:
             backoff_base_s=config.backoff_base_s,
             breaker=self.breaker,
             on_result=None if self.observer is None else self.observer.summarizer_call,
+            api=config.api,
         )
 
     def log_decision(self, outcome: Outcome, model: str, seconds: float) -> None:

@@ -171,6 +171,9 @@ class SummarizerSettings(Section):
     context_tokens: int = Field(100_000, gt=1000)
     # Each message fed to the summarizer keeps at most this many tokens (head + tail).
     max_message_tokens: int = Field(4_000, gt=16)
+    # The API the summarizer is called on: "chat" (POST {base_url}/chat/completions) or
+    # "responses" (POST {base_url}/responses, for upstreams that serve only that).
+    api: Literal["chat", "responses"] = "chat"
 
     @field_validator("base_url")
     @classmethod

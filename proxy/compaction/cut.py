@@ -3,8 +3,9 @@
 Pure: a function of the history's description (proxy/compaction/conversation.py), the
 rules and the token counts it is given. What is protected, in order:
 
-1. leading system/developer messages: pinned in place, never summarized (and everything up
-   to the last barrier entry, for APIs that have them);
+1. leading system/developer messages, and context blocks among them (an agent's
+   environment or instructions sent as a user item): pinned in place, never summarized (and
+   everything up to the last barrier entry, for APIs that have them);
 2. the task, the first user message: forwarded verbatim right after the pinned messages
    even when the summary covers it (unless it alone is over `task_max_tokens`: then it is
    summarized like the rest and `Cut.task_summarized` says so);
@@ -184,7 +185,7 @@ def plan_cut(
     count = count or _one_each
     entries = described.entries
     start = 0
-    while start < len(entries) and entries[start].role in PINNED_ROLES:
+    while start < len(entries) and (entries[start].role in PINNED_ROLES or entries[start].context):
         start += 1
     start = max(start, described.barrier + 1)
     nothing = CutPlan(start, start, None, (), (), False)

@@ -129,6 +129,19 @@ def instructions_tokens(instructions: object, text: TextCount, media: Media) -> 
     return 0
 
 
+def _model_and_items(body: object) -> tuple[str, list[Any]]:
+    """A request's model and its `input` as items (a string is one user message)."""
+    if not isinstance(body, dict):
+        return "", []
+    model = body.get("model")
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    elif not isinstance(items, list):
+        items = []
+    return (model if isinstance(model, str) else ""), items
+
+
 class ResponsesCounter:
     """Counts Responses API requests with the proxy's token counter's texts (and its memo for
     long texts); each item's count is kept in a memo of its own, by the item's byte key when
@@ -206,18 +219,17 @@ class ResponsesCounter:
         tools = tools_tokens(defs, text, costs) if isinstance(defs, list) else 0
         return tools + instructions_tokens(body.get("instructions"), text, self._media_for(model))
 
+    def count_request(self, body: dict[str, Any], keys: Sequence[int | None] | None = None) -> int:
+        """The input tokens of a whole request; TooManyTokens past `max_request_tokens`."""
+        model, items = _model_and_items(body)
+        counts = self.count_each(model, items, keys)
+        return self.request_tokens(sum(counts), self.count_tools(model, body))
+
     async def acount_request(
         self, body: dict[str, Any], keys: Sequence[int | None] | None = None
     ) -> int:
-        if not isinstance(body, dict):
-            return 0
-        model = body.get("model")
-        model = model if isinstance(model, str) else ""
-        items = body.get("input")
-        if isinstance(items, str):
-            items = [{"role": "user", "content": items}]
-        elif not isinstance(items, list):
-            items = []
+        """`count_request`, long lists counted in a worker thread."""
+        model, items = _model_and_items(body)
         counts = await self.acount_each(model, items, keys)
         return self.request_tokens(sum(counts), self.count_tools(model, body))
 
