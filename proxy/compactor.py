@@ -179,6 +179,7 @@ class Compactor:
             config.max_preserved_messages,
             "carry" if config.keep_last_user_message else "off",
             config.task_max_tokens if config.protect_task else None,
+            config.user_messages_max_tokens,
         )
         self._loaded: dict[tuple[str, ...], tuple[Loaded, ...]] = {}
         self._stages: dict[tuple[tuple[str, ...], str, str], tuple[Stage, ...]] = {}
