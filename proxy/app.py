@@ -20,6 +20,7 @@ from proxy.auth import Gate, KeySource
 from proxy.auth.keys_file import reload_on_sighup
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
+from proxy.compress import compress
 from proxy.egress import proxy_for
 from proxy.errors import ProxyError
 from proxy.exchange import ExchangeMiddleware
@@ -130,6 +131,7 @@ def create_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
             WebSocketRoute("/v1/responses", refuse_websocket),
+            Route("/v1/compress", compress, methods=["POST"]),
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],
