@@ -181,6 +181,7 @@ class Compactor:
             config.task_max_tokens if config.protect_task else None,
             config.user_messages_max_tokens,
         )
+        self._rules: dict[int, CutRules] = {}
         self._loaded: dict[tuple[str, ...], tuple[Loaded, ...]] = {}
         self._stages: dict[tuple[tuple[str, ...], str, str], tuple[Stage, ...]] = {}
         try:
@@ -257,7 +258,7 @@ class Compactor:
                     spend,
                 ),
                 format=api.format,
-                rules=self.rules,
+                rules=self.rules_for(budget),
                 scope=scope,
                 spans=spans,
                 cache=None if spans is None else spans.cache,
@@ -265,6 +266,23 @@ class Compactor:
             control.strategy,
         )
         return self._report(self._outcome(decision, tokens, budget, estimated), model, started)
+
+    def rules_for(self, budget: int) -> CutRules:
+        """The cut rules for a request of this budget: the user's older asks carried after a
+        summary total at most a tenth of it (and `user_messages_max_tokens`), so they never
+        crowd out the tail a summary makes room for."""
+        rules = self.rules
+        asks = min(rules.asks_max_tokens, budget // 10)
+        if asks == rules.asks_max_tokens:
+            return rules
+        found = self._rules.get(asks)
+        if found is None:
+            if len(self._rules) >= _STAGES:  # budgets are client input (a header)
+                self._rules.clear()
+            found = self._rules[asks] = CutRules(
+                rules.max_preserved_messages, rules.latest_user, rules.task_max_tokens, asks
+            )
+        return found
 
     def skipped(self, reason: str, model: str) -> Outcome:
         """A request the compaction step leaves alone without counting it (its history is

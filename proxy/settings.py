@@ -217,7 +217,7 @@ class CompactionSettings(Section):
     task_max_tokens: int = Field(4_000, gt=0)
     # With keep_last_user_message, older user messages (asks) a summary covers are forwarded
     # verbatim after it too, newest first, while all the carried asks total at most this
-    # many tokens (the latest is always carried); 0: only the latest.
+    # many tokens and a tenth of the budget (the latest is always carried); 0: only the latest.
     user_messages_max_tokens: int = Field(4_000, ge=0)
     # User messages an agent injects itself (not asks): never carried as "the latest ask".
     injected_user_patterns: list[str] = list(DEFAULT_INJECTED)

@@ -248,18 +248,21 @@ def carried_asks(
     length: int,
 ) -> list[int]:
     """The asks a summary of everything before `length` carries verbatim, ascending: the
-    latest one it covers, then older ones newest first while all of them total at most
-    `limit` tokens (`tokens`: each ask's; empty: only the latest is carried)."""
+    latest ask when it covers it, and older ones it covers, newest first, while all of them
+    total at most `limit` tokens (`tokens`: each ask's; empty: only the latest). Asks in the
+    tail are verbatim already and not counted."""
     chosen: list[int] = []
     total = 0
-    for index in range(len(asks) - 1, -1, -1):
+    last = len(asks) - 1
+    for index in range(last, -1, -1):
         position = asks[index]
         if position >= length or position == task:
             continue
-        if chosen and (not tokens or total + tokens[index] > limit):
+        cost = tokens[index] if tokens else 0
+        if index != last and (not tokens or total + cost > limit):
             break
         chosen.append(position)
-        total += tokens[index] if tokens else 0
+        total += cost
     chosen.reverse()
     return chosen
 
