@@ -36,13 +36,7 @@ from proxy.forwarding import key_control, parse_control
 from proxy.jsonspans import Parsed
 from proxy.report import PASSTHROUGH, Outcome
 from proxy.usage import ChatTap
-from proxy.validation import (
-    Shape,
-    check_chat_body,
-    parse_history,
-    read_body,
-    too_many_messages,
-)
+from proxy.validation import Shape, check_chat_body, check_objects, parse_history, read_body
 
 _ANTHROPIC_BLOCKS = frozenset({"tool_use", "tool_result"})
 
@@ -57,16 +51,7 @@ def check_compress_body(body: dict[str, Any], max_items: int = 0) -> None:
             param="messages",
             code="missing_required_parameter",
         )
-    if max_items and len(messages) > max_items:
-        raise too_many_messages(max_items)
-    for index, item in enumerate(messages):
-        if not isinstance(item, dict):
-            raise bad_request(
-                f"Invalid type for 'messages[{index}]': expected an object, "
-                f"but got {type(item).__name__}.",
-                param=f"messages[{index}]",
-                code="invalid_type",
-            )
+    check_objects(messages, "messages", max_items)
     if messages and not any("type" in m for m in messages):
         check_chat_body(body, max_items)  # chat messages: each with a known role
     model = body.get("model")

@@ -332,18 +332,23 @@ def check_responses_body(body: dict[str, Any], max_items: int = 0) -> None:
     objects, at most `max_items` of them. Everything else is the upstream's to judge (a
     string `input`, none at all with `previous_response_id` or a stored prompt)."""
     items = body.get("input")
-    if not isinstance(items, list):
-        return
+    if isinstance(items, list):
+        check_objects(items, "input", max_items)
+
+
+def check_objects(items: list[Any], field_name: str, max_items: int = 0) -> None:
+    """A 400 naming the first element of `items` (the body's `field_name`) that is not an
+    object, or the array's length past `max_items` (0: no limit)."""
     if max_items and len(items) > max_items:
-        raise too_many_messages(max_items, "input")
+        raise too_many_messages(max_items, field_name)
     if all(map(_is_dict, items)):
         return
     for index, item in enumerate(items):
         if not isinstance(item, dict):
             raise bad_request(
-                f"Invalid type for 'input[{index}]': expected an object, "
+                f"Invalid type for '{field_name}[{index}]': expected an object, "
                 f"but got {_type_name(item)}.",
-                param=f"input[{index}]",
+                param=f"{field_name}[{index}]",
                 code="invalid_type",
             )
 
