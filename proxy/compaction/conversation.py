@@ -1,6 +1,7 @@
 """The conversation as the compaction core sees it, whatever API it came from.
 
-An API adapter (a `Format`: proxy/compaction/chat_format.py for chat completions) describes
+An API adapter (a `Format`: proxy/compaction/chat_format.py for chat completions,
+proxy/compaction/responses_format.py for the Responses API's `input` items) describes
 each item of a request's history as an `Entry`: its role, the tool calls it makes and the
 one it answers, whether it is a real ask, and how a compacted span treats it. The cut,
 masking and the planner read only entries and positions, so a second API (the Responses
@@ -10,7 +11,7 @@ API's items: `function_call` / `function_call_output` linked by `call_id`, `reas
 `describe` pairs results with calls once per history and extends an earlier description
 of a prefix (a session's previous turn, kept in its SessionCache) with only the new items.
 
-What an adapter for the Responses API's `input` items says, for instance: a `message` item
+What the Responses API's adapter says, in short: a `message` item
 has its `role` (a user message that is an `<environment_context>` block is `context`, never
 the task nor an ask); `function_call`, `custom_tool_call`, `local_shell_call` and any other
 `*_call` make the call `call_id`, and each `*_call_output` answers it; `reasoning` is
