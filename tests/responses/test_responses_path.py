@@ -168,3 +168,20 @@ async def test_bad_input_items_get_a_clear_400(proxy_client: httpx.AsyncClient) 
     broken = await post(proxy_client, b'{"model": "gpt-4o-mini", "input": [')
     assert broken.status_code == 400
     assert broken.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.compaction_proxy(
+    compaction={"budget_tokens": 3000, "summarizer": {"api": "responses"}}
+)
+async def test_the_summarizer_can_be_asked_on_the_responses_api(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    sent = dumps(responses_body(codex_history(30)))
+    reply = await post(proxy_client, sent)
+    assert reply.headers["x-compaction-status"] == "compacted"
+    (summary_call,) = fake_openai.summarizer_calls
+    assert summary_call.path.endswith("/responses")
+    assert summary_call.body["store"] is False
+    assert not fake_openai.chat_calls
+    forwarded = check_forwarded(sent, fake_openai.responses_calls[-1].request.content)
+    assert any("FAKE SUMMARY" in json.dumps(item) for item in forwarded)
