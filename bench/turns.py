@@ -80,17 +80,40 @@ _REPLY = json.dumps(
 ).encode()
 
 
+# A Response of the same size class, for requests on /v1/responses.
+RESPONSE_REPLY = json.dumps(
+    {
+        "id": "resp_bench",
+        "object": "response",
+        "model": MODEL,
+        "status": "completed",
+        "output": [
+            {
+                "id": "msg_bench",
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Running the tests."}],
+            }
+        ],
+        "usage": {"input_tokens": 0, "output_tokens": 4, "total_tokens": 4},
+    }
+).encode()
+
+
 @dataclass
 class Mock:
     """The upstream: a canned reply; summarizer calls get a summary derived from their input."""
 
     seconds: float = 0.0  # spent answering summarizer calls
     summaries: int = 0
+    last: bytes = b""  # the last forwarded (not summarizer) body
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         content = request.content
         if _SUMMARIZER not in content[:512]:
-            return httpx.Response(200, content=_REPLY, headers={"content-type": "application/json"})
+            self.last = content
+            reply = RESPONSE_REPLY if request.url.path.endswith("/responses") else _REPLY
+            return httpx.Response(200, content=reply, headers={"content-type": "application/json"})
         started = time.perf_counter()
         digest = hashlib.blake2b(content, digest_size=8).hexdigest()
         text = " ".join(f"Step {i} of {digest}: tests pass, parser fixed." for i in range(20))
@@ -139,7 +162,14 @@ class Proxy:
         )
         self.app = create_app(settings, transport=httpx.MockTransport(self.mock))
 
-    async def send(self, body: bytes, *, tenant: str = "bench", off: bool = False) -> Result:
+    async def send(
+        self,
+        body: bytes,
+        *,
+        tenant: str = "bench",
+        off: bool = False,
+        path: str = "/v1/chat/completions",
+    ) -> Result:
         headers = [
             (b"host", b"proxy"),
             (b"content-type", b"application/json"),
@@ -154,8 +184,8 @@ class Proxy:
             "http_version": "1.1",
             "method": "POST",
             "scheme": "http",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
+            "path": path,
+            "raw_path": path.encode(),
             "query_string": b"",
             "headers": headers,
             "client": ("127.0.0.1", 40000),

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from proxy.admin import admin_keys, admin_usage
 from proxy.audit import AuditTrail
@@ -22,6 +22,7 @@ from proxy.auth import Gate, KeySource
 from proxy.auth.keys_file import reload_on_sighup
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
+from proxy.compress import compress
 from proxy.egress import proxy_for
 from proxy.errors import ProxyError
 from proxy.exchange import ExchangeMiddleware
@@ -33,6 +34,7 @@ from proxy.quota import Quotas, create_ledger
 from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
 from proxy.redact import redact_url
+from proxy.responses import refuse_websocket, responses
 from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
 from proxy.startup import startup_fields
 from proxy.state import ProxyState
@@ -132,6 +134,9 @@ def create_app(
             Route("/admin/usage", admin_usage, methods=["GET"]),
             Route("/admin/keys", admin_keys, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            WebSocketRoute("/v1/responses", refuse_websocket),
+            Route("/v1/compress", compress, methods=["POST"]),
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],

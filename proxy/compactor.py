@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol
 import httpx
 
 from proxy.compaction.chat_format import ChatFormat
-from proxy.compaction.conversation import Described, describe
+from proxy.compaction.conversation import Described, Format, describe
 from proxy.compaction.cut import CutRules
 from proxy.compaction.mask import MaskCompaction, MaskOptions
 from proxy.compaction.offload import off_loop
@@ -47,6 +47,7 @@ from proxy.compaction.protocol import (
     Summarizing,
     Summary,
 )
+from proxy.compaction.responses_format import ResponsesFormat
 from proxy.compaction.strategies import (
     Loaded,
     StrategyOptions,
@@ -61,6 +62,7 @@ from proxy.planner import SummaryOptions, SummaryPlanner, SummaryStage
 from proxy.report import Decision, Outcome
 from proxy.settings import ConfigError, Settings
 from proxy.store import CHAIN_VERSION, NullStore, SummaryFlight, SummaryStore, namespace_for
+from proxy.tokens.responses import ResponsesCounter, has_opaque
 
 log = logging.getLogger("proxy.compaction")
 _STAGES = 64  # rows of stages kept, one per (strategy, summarizer model): models are input
@@ -105,6 +107,23 @@ class Control:
     strategy: str | None = None  # a proxy key's own strategy; None: compaction.strategy
 
 
+@dataclass(frozen=True)
+class Api:
+    """What differs between the APIs whose requests carry a history: the body field that
+    holds it, the adapter that reads its items (proxy/compaction/conversation.py) and the
+    counter that prices them as that API bills them. Everything else is one core."""
+
+    name: str  # "chat", "responses"
+    field: str  # "messages", "input"
+    format: Format
+    counter: PromptCounter
+    # Whether a body's count estimates something the tokenizer cannot read (encrypted items).
+    opaque: Callable[[dict[str, Any]], bool] = lambda body: False
+
+    def estimated(self, body: dict[str, Any]) -> bool:
+        return self.counter.estimated or self.opaque(body)
+
+
 def model_of(body: dict[str, Any]) -> str:
     model = body.get("model")
     return model if isinstance(model, str) else ""
@@ -146,14 +165,25 @@ class Compactor:
             summarizer.breaker_cooldown_s,
             on_change=None if observer is None else observer.breaker_changed,
         )
-        self.format = ChatFormat(tuple(config.injected_user_patterns))
+        injected = tuple(config.injected_user_patterns)
+        self.format = ChatFormat(injected)
+        self.chat = Api("chat", "messages", self.format, counter)
+        self.responses = Api(
+            "responses",
+            "input",
+            ResponsesFormat(injected),
+            ResponsesCounter(counter, settings),
+            lambda body: has_opaque(body.get("input")),
+        )
         self.rules = CutRules(
             config.max_preserved_messages,
             "carry" if config.keep_last_user_message else "off",
             config.task_max_tokens if config.protect_task else None,
+            config.user_messages_max_tokens,
         )
+        self._rules: dict[int, CutRules] = {}
         self._loaded: dict[tuple[str, ...], tuple[Loaded, ...]] = {}
-        self._stages: dict[tuple[tuple[str, ...], str], tuple[Stage, ...]] = {}
+        self._stages: dict[tuple[tuple[str, ...], str, str], tuple[Stage, ...]] = {}
         try:
             self.loaded = self._load(config.strategy)
         except ValueError as exc:
@@ -168,9 +198,11 @@ class Compactor:
         scope: str | None,
         parsed: Parsed | None = None,
         spend: Spend | None = None,
+        api: Api | None = None,
     ) -> Outcome:
-        """Count `body` (a parsed chat completions request) and compact it when it is over
-        its budget (or `control` forces it). Returns what to forward and what happened; never
+        """Count `body` (a parsed chat completions request; with `api` = `self.responses`, a
+        Responses API request) and compact it when it is over its budget (or `control`
+        forces it). Returns what to forward and what happened; never
         raises for a failed compaction (see `Outcome.rejected`).
 
         `control`: the request's `x-compaction*` headers (and its key's defaults);
@@ -184,61 +216,86 @@ class Compactor:
         what each summarizer call costs as it answers."""
         started = time.perf_counter()
         config = self.settings.compaction
+        api = api or self.chat
+        counter, field = api.counter, api.field
         model = model_of(body)
         if control.mode == "off" or not config.enabled:  # nothing to decide: not even counted
             return self._report(Outcome(status="off"), model, started)
         spans = parsed.spans if parsed is not None else None
-        if spans is not None and body.get("messages") is not spans.messages:
+        if spans is not None and body.get(field) is not spans.messages:
             spans = parsed = None  # not this body's messages
         tools: int | None = None
         counts: list[int] | None = None
         if spans is not None:  # each message's count, kept with the spans for the next turn
-            counts = await self.message_counts(model, spans)
-            tools = self.counter.count_tools(model, body)
-            tokens = self.counter.request_tokens(sum(counts), tools)
+            counts = await self.message_counts(model, spans, counter)
+            tools = counter.count_tools(model, body)
+            tokens = counter.request_tokens(sum(counts), tools)
         else:
-            tokens = await self.counter.acount_request(body)
+            tokens = await counter.acount_request(body)
         budget = control.budget or config.budget_for(model)
         force = control.mode == "force"
+        estimated = api.estimated(body)
         if not (tokens > budget or force):
-            return self._report(
-                self._outcome(Decision("passthrough"), tokens, budget), model, started
-            )
+            outcome = self._outcome(Decision("passthrough"), tokens, budget, estimated)
+            return self._report(outcome, model, started)
         if parsed is not None and spans is None:
             # The store keys hash the client's bytes of each message, whatever the body's size.
-            spans = parsed.spans = await spans_of(parsed.raw)
+            spans = parsed.spans = await spans_of(parsed.raw, field)
             if spans is not None:
-                body["messages"] = spans.messages  # the same values, read from the same bytes
+                body[field] = spans.messages  # the same values, read from the same bytes
         if tools is None:
-            tools = self.counter.count_tools(model, body)
+            tools = counter.count_tools(model, body)
         decision = await self._decide(
-            body["messages"],
+            body[field],
             tokens,
             Job(
                 model=model,
                 budget=budget,
                 force=force,
-                counting=Counting(self.counter, model, tools, spans, counts),
+                counting=Counting(counter, model, tools, spans, counts),
                 summarizer=_Deferred(
                     partial(self.summarizer_for, self._summarizer_model(model), client_headers),
                     spend,
                 ),
-                format=self.format,
-                rules=self.rules,
+                format=api.format,
+                rules=self.rules_for(budget),
                 scope=scope,
                 spans=spans,
                 cache=None if spans is None else spans.cache,
             ),
             control.strategy,
         )
-        return self._report(self._outcome(decision, tokens, budget), model, started)
+        return self._report(self._outcome(decision, tokens, budget, estimated), model, started)
+
+    def rules_for(self, budget: int) -> CutRules:
+        """The cut rules for a request of this budget: the user's older asks carried after a
+        summary total at most a tenth of it (and `user_messages_max_tokens`), so they never
+        crowd out the tail a summary makes room for."""
+        rules = self.rules
+        asks = min(rules.asks_max_tokens, budget // 10)
+        if asks == rules.asks_max_tokens:
+            return rules
+        found = self._rules.get(asks)
+        if found is None:
+            if len(self._rules) >= _STAGES:  # budgets are client input (a header)
+                self._rules.clear()
+            found = self._rules[asks] = CutRules(
+                rules.max_preserved_messages, rules.latest_user, rules.task_max_tokens, asks
+            )
+        return found
+
+    def skipped(self, reason: str, model: str) -> Outcome:
+        """A request the compaction step leaves alone without counting it (its history is
+        not all in the request: the Responses API's `previous_response_id`; a client's own
+        compaction request), reported as every decision is."""
+        return self._report(Outcome(status="skipped", reason=reason), model, time.perf_counter())
 
     async def _decide(
         self, messages: list[Message], tokens: int, job: Job, strategy: str | None = None
     ) -> Decision:
         """Run the strategy's stages on an over-budget (or forced) history."""
         try:
-            stages = self.stages_for(job.model, strategy)
+            stages = self.stages_for(job.model, strategy, job.format)
         except ValueError as exc:  # a key's strategy that no longer loads
             return Decision("failed", "strategy_error", error=str(exc))
         described = await off_loop(len(messages), self._described, messages, job)
@@ -250,19 +307,19 @@ class Compactor:
         (kept for its next turn), or described afresh."""
         cache = job.cache
         if cache is None or job.spans is None or messages is not job.spans.messages:
-            return describe(self.format, messages)
+            return describe(job.format, messages)
         known = cache.described if isinstance(cache.described, Described) else None
-        described = describe(self.format, messages, known)
+        described = describe(job.format, messages, known)
         cache.described = described
         return described
 
-    def _outcome(self, decision: Decision, tokens: int, budget: int) -> Outcome:
+    def _outcome(self, decision: Decision, tokens: int, budget: int, estimated: bool) -> Outcome:
         rejected = decision.status == "failed" and self.settings.compaction.on_error == "reject"
         return Outcome.of(
             decision,
             tokens_before=tokens,
             budget=budget,
-            estimated=self.counter.estimated,
+            estimated=estimated,
             rejected=rejected,
         )
 
@@ -275,10 +332,14 @@ class Compactor:
             self.observer.observe(outcome, seconds)
         return outcome
 
-    async def message_counts(self, model: str, spans: Spans) -> list[int]:
+    async def message_counts(
+        self, model: str, spans: Spans, counter: PromptCounter | None = None
+    ) -> list[int]:
         """The tokens of each of the body's messages: those of the body it extends from the
-        session's cache (kept by an earlier turn), the others counted (and kept)."""
-        profile = self.counter.profile_key(model)
+        session's cache (kept by an earlier turn), the others counted (and kept). `counter`:
+        the API's (default: chat completions')."""
+        counter = counter or self.counter
+        profile = counter.profile_key(model)
         cache = spans.cache
         kept = cache.counts.get(profile)
         total = len(spans.messages)
@@ -287,7 +348,7 @@ class Compactor:
         known = kept if kept is not None and len(kept) < total else []
         start = len(known)
         keys = spans.keys()
-        counts = known + await self.counter.acount_each(
+        counts = known + await counter.acount_each(
             model, spans.messages[start:], keys[start:], counted=sum(known)
         )
         cache.keep_counts(profile, counts)
@@ -302,18 +363,22 @@ class Compactor:
             loaded = self._loaded[names] = load_strategy(names, self.options(""))
         return loaded
 
-    def stages_for(self, model: str, strategy: str | None = None) -> tuple[Stage, ...]:
+    def stages_for(
+        self, model: str, strategy: str | None = None, format: Format | None = None
+    ) -> tuple[Stage, ...]:
         """The stages of `strategy` (default `compaction.strategy`), made once per
-        summarizer model. Raises ValueError when a key's strategy does not load."""
+        summarizer model and API adapter (`format`, default chat's). Raises ValueError when
+        a key's strategy does not load."""
         summarizer_model = self._summarizer_model(model)
+        format = format or self.format
         loaded = self.loaded if strategy is None else self._load(strategy)
-        key = (tuple(item.name for item in loaded), summarizer_model)
+        key = (tuple(item.name for item in loaded), summarizer_model, format.key)
         stages = self._stages.get(key)
         if stages is None:
             if len(self._stages) >= _STAGES:
                 self._stages.clear()
             stages = self._stages[key] = tuple(
-                self._stage(item, summarizer_model) for item in loaded
+                self._stage(item, summarizer_model, format) for item in loaded
             )
         return stages
 
@@ -330,12 +395,12 @@ class Compactor:
             mask=MaskOptions(mask.keep_last, mask.clear_at_least, tuple(mask.exclude_tools)),
         )
 
-    def _stage(self, loaded: Loaded, summarizer_model: str) -> Stage:
+    def _stage(self, loaded: Loaded, summarizer_model: str, format: Format) -> Stage:
         config = self.settings.compaction
         strategy = loaded.factory(self.options(summarizer_model))
         if loaded.kind == "mask":
             assert isinstance(strategy, MaskCompaction)
-            mask = MaskCompaction(strategy.options, self.format)
+            mask = MaskCompaction(strategy.options, format)
             return MaskStage(mask, loaded.name, mask.fingerprint)
         if loaded.kind == "compact":
             assert isinstance(strategy, Compaction)
@@ -379,6 +444,7 @@ class Compactor:
             backoff_base_s=config.backoff_base_s,
             breaker=self.breaker,
             on_result=None if self.observer is None else self.observer.summarizer_call,
+            api=config.api,
         )
 
     def log_decision(self, outcome: Outcome, model: str, seconds: float) -> None:

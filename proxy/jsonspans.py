@@ -32,6 +32,7 @@ import re
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from operator import is_
 from typing import Any
 
@@ -43,6 +44,12 @@ from proxy.sessioncache import SessionCache
 
 _WS = rb"[ \t\n\r]*"
 _FIELD = re.compile(rb'"messages"' + _WS + rb":" + _WS + rb"(\[)" + _WS)
+# The arrays this parser knows, by the body field that holds them: chat completions'
+# `messages`, the Responses API's `input` items.
+_FIELDS = {
+    "messages": _FIELD,
+    "input": re.compile(rb'"input"' + _WS + rb":" + _WS + rb"(\[)" + _WS),
+}
 # The end of one element: `}` then `,` before the next `{"`, or `}` then `]` before the
 # top level goes on (`,"key"`) or ends (`}`). Lookaheads: the match ends at `,` or `]`.
 _ARRAY_END = rb"(\])(?=" + _WS + rb"(?:," + _WS + rb'"|\}' + _WS + rb"\Z))"
@@ -88,6 +95,9 @@ class Spans:
     # conversation's structure), kept with the body for the session's next turn: a body
     # extending this one starts with the same messages, so with these (`extend_chat`).
     cache: SessionCache = field(default_factory=SessionCache, repr=False)
+    # The body field holding the array: "messages" (chat completions) or "input" (the
+    # Responses API's items).
+    field_name: str = "messages"
 
     def view(self, index: int) -> memoryview:
         return memoryview(self.raw)[self.starts[index] : self.ends[index]]
@@ -181,14 +191,16 @@ class Parsed:
 
 
 def loads_chat(
-    raw: bytes, max_items: int = 0, min_average: int = 0
+    raw: bytes, max_items: int = 0, min_average: int = 0, field_name: str = "messages"
 ) -> tuple[dict[str, Any], Spans] | None:
     """The body and its message spans; None: parse it another way (see the module doc).
 
     Raises TooManyItems as soon as `messages` has more than `max_items` (0: no limit).
     `min_average`: give up (None) once the messages so far average fewer bytes than this;
-    for tiny messages the stdlib parser is faster (a call per message costs ~1.5 us here)."""
-    found = _FIELD.search(raw)
+    for tiny messages the stdlib parser is faster (a call per message costs ~1.5 us here).
+    `field_name`: the body field holding the array ("messages", or the Responses API's
+    "input")."""
+    found = _FIELDS[field_name].search(raw)
     if found is None:
         return None
     element = found.end()
@@ -196,27 +208,29 @@ def loads_chat(
         return None
     view = memoryview(raw)
     if len(raw) <= WHOLE_ARRAY_BYTES:
-        whole = _whole_array(raw, view, found.start(1), element, max_items, min_average)
+        whole = _whole_array(raw, view, found.start(1), element, max_items, min_average, field_name)
         if whole is not None:
             if whole:
                 whole[1].keys()  # here, where a worker thread may be parsing it
             return whole or None
-    return _by_element(raw, view, found, element, max_items, min_average)
+    return _by_element(raw, view, found, element, max_items, min_average, field_name)
 
 
 def loads_chat_fast(
-    raw: bytes, max_items: int = 0, min_average: int = 0
+    raw: bytes, max_items: int = 0, min_average: int = 0, field_name: str = "messages"
 ) -> tuple[dict[str, Any], Spans] | tuple[()] | None:
     """loads_chat's fast path only (one orjson call for the array, ~1.6 ms/MB, so the event
     loop can afford it for a body of a few hundred KB): () where loads_chat would answer
     None, None where it would parse element by element (give that to a worker thread)."""
-    found = _FIELD.search(raw)
+    found = _FIELDS[field_name].search(raw)
     if found is None:
         return ()
     element = found.end()
     if raw[element : element + 1] != b"{":
         return ()
-    return _whole_array(raw, memoryview(raw), found.start(1), element, max_items, min_average)
+    return _whole_array(
+        raw, memoryview(raw), found.start(1), element, max_items, min_average, field_name
+    )
 
 
 def _by_element(
@@ -226,6 +240,7 @@ def _by_element(
     element: int,
     max_items: int,
     min_average: int,
+    field_name: str = "messages",
 ) -> tuple[dict[str, Any], Spans] | None:
     """loads_chat, one orjson call per element: the GIL changes hands between them."""
     messages: list[Any] = []
@@ -256,7 +271,7 @@ def _by_element(
         # hashes the whole object it views first (a 40 MB body: 30 ms holding the GIL).
         keys.append(hash(raw[element:end]) ^ salt)
         if max_items and len(messages) > max_items:
-            raise TooManyItems("messages", max_items)
+            raise TooManyItems(field_name, max_items)
         count = len(messages)
         if min_average and not count % _CHECK_EVERY and end - starts[0] < min_average * count:
             return None
@@ -271,14 +286,22 @@ def _by_element(
         body = _loads_rest(b"".join((view[: found.start(1)], _SENTINEL_JSON, view[close:])))
     except (ValueError, RecursionError):
         return None
-    if type(body) is not dict or body.get("messages") != _SENTINEL:
-        return None  # the array was not the top-level `messages` (or a later one replaced it)
-    body["messages"] = messages
-    return body, Spans(raw, found.start(1), close, starts, ends, messages, keys)
+    if type(body) is not dict or body.get(field_name) != _SENTINEL:
+        return None  # the array was not the top-level field (or a later one replaced it)
+    body[field_name] = messages
+    return body, Spans(
+        raw, found.start(1), close, starts, ends, messages, keys, field_name=field_name
+    )
 
 
 def _whole_array(
-    raw: bytes, view: memoryview, open_: int, element: int, max_items: int, min_average: int
+    raw: bytes,
+    view: memoryview,
+    open_: int,
+    element: int,
+    max_items: int,
+    min_average: int,
+    field_name: str = "messages",
 ) -> tuple[dict[str, Any], Spans] | tuple[()] | None:
     """The fast path of loads_chat: the array in one orjson call (the per-element calls and
     the loop around them cost more than the parse), each element's span from the candidates
@@ -310,7 +333,7 @@ def _whole_array(
         return None
     count = len(messages)
     if max_items and count > max_items:
-        raise TooManyItems("messages", max_items)
+        raise TooManyItems(field_name, max_items)
     if min_average and count >= _CHECK_EVERY and close - open_ < min_average * count:
         return ()
     if at != count - 1 or not all(type(m) is dict and m for m in messages):
@@ -324,15 +347,15 @@ def _whole_array(
         body = _loads_rest(b"".join((view[:open_], _SENTINEL_JSON, view[close:])))
     except (ValueError, RecursionError):
         return ()
-    if type(body) is not dict or body.get("messages") != _SENTINEL:
+    if type(body) is not dict or body.get(field_name) != _SENTINEL:
         return ()
-    body["messages"] = messages
-    return body, Spans(raw, open_, close, starts, ends, messages, whole=True)
+    body[field_name] = messages
+    return body, Spans(raw, open_, close, starts, ends, messages, whole=True, field_name=field_name)
 
 
-def field_of(raw: bytes) -> re.Match[bytes] | None:
-    """Where the parsers take `messages` to be: the match of its key, colon and `[`."""
-    return _FIELD.search(raw)
+def field_of(raw: bytes, field_name: str = "messages") -> re.Match[bytes] | None:
+    """Where the parsers take the array to be: the match of its key, colon and `[`."""
+    return _FIELDS[field_name].search(raw)
 
 
 def extend_chat(
@@ -386,10 +409,11 @@ def extend_chat(
         body = _loads_rest(b"".join((view[:open_], _SENTINEL_JSON, view[close:])))
     except (ValueError, RecursionError):
         return None
-    if type(body) is not dict or body.get("messages") != _SENTINEL:
+    field_name = base.field_name
+    if type(body) is not dict or body.get(field_name) != _SENTINEL:
         return None
     messages = base.messages + new
-    body["messages"] = messages
+    body[field_name] = messages
     starts = base.starts if not shift else [s + shift for s in base.starts]
     ends = base.ends if not shift else [e + shift for e in base.ends]
     starts = starts + [b for _, b, _ in tail[:at]]
@@ -404,17 +428,28 @@ def extend_chat(
         index = dict(index)
         index.update(zip(map(id, new), range(count, total), strict=True))
     return body, Spans(
-        raw, open_, close, starts, ends, messages, keys, index, True, base.cache.extended()
+        raw,
+        open_,
+        close,
+        starts,
+        ends,
+        messages,
+        keys,
+        index,
+        True,
+        base.cache.extended(),
+        field_name,
     )
 
 
-async def spans_of(raw: bytes) -> Spans | None:
-    """Where the messages of a body (already parsed and checked some other way) are in `raw`;
-    None: this parser cannot tell. In a worker thread when `raw` is big."""
+async def spans_of(raw: bytes, field_name: str = "messages") -> Spans | None:
+    """Where the messages (or the array `field_name` holds) of a body, already parsed and
+    checked some other way, are in `raw`; None: this parser cannot tell. In a worker thread
+    when `raw` is big."""
     if len(raw) <= _OFFLOAD_BYTES:
-        parsed = loads_chat(raw)
+        parsed = loads_chat(raw, field_name=field_name)
     else:
-        parsed = await anyio.to_thread.run_sync(loads_chat, raw)
+        parsed = await anyio.to_thread.run_sync(partial(loads_chat, raw, field_name=field_name))
     return None if parsed is None else parsed[1]
 
 

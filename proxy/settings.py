@@ -171,6 +171,9 @@ class SummarizerSettings(Section):
     context_tokens: int = Field(100_000, gt=1000)
     # Each message fed to the summarizer keeps at most this many tokens (head + tail).
     max_message_tokens: int = Field(4_000, gt=16)
+    # The API the summarizer is called on: "chat" (POST {base_url}/chat/completions) or
+    # "responses" (POST {base_url}/responses, for upstreams that serve only that).
+    api: Literal["chat", "responses"] = "chat"
 
     @field_validator("base_url")
     @classmethod
@@ -212,6 +215,10 @@ class CompactionSettings(Section):
     protect_task: bool = True
     # ...unless it alone is larger than this: then it is summarized like the rest.
     task_max_tokens: int = Field(4_000, gt=0)
+    # With keep_last_user_message, older user messages (asks) a summary covers are forwarded
+    # verbatim after it too, newest first, while all the carried asks total at most this
+    # many tokens and a tenth of the budget (the latest is always carried); 0: only the latest.
+    user_messages_max_tokens: int = Field(4_000, ge=0)
     # User messages an agent injects itself (not asks): never carried as "the latest ask".
     injected_user_patterns: list[str] = list(DEFAULT_INJECTED)
     summary_role: Literal["user", "system", "assistant"] = "user"

@@ -53,7 +53,7 @@ TTL_S = 600.0
 _MESSAGE_OVERHEAD = 1056
 _ENTRY_OVERHEAD = 1024
 
-_Key = tuple[str, int]
+_Key = tuple[str, str, int]  # scope, the array's field, hash of the array's head
 
 
 def size_of(spans: Spans) -> int:
@@ -89,17 +89,23 @@ class TurnMemo:
             return sum(len(entries) for entries in self._cache.values())
 
     def parse(
-        self, scope: str, raw: bytes, max_items: int = 0, min_average: int = 0
+        self,
+        scope: str,
+        raw: bytes,
+        max_items: int = 0,
+        min_average: int = 0,
+        field_name: str = "messages",
     ) -> tuple[dict[str, Any], Spans, Spans] | None:
         """(body, spans, the kept body it extends) when a kept body of `scope` is the start of
-        `raw`'s messages and the rest parses as the cold path would; None: parse it cold."""
+        `raw`'s messages (or the array `field_name` holds: the Responses API's "input") and
+        the rest parses as the cold path would; None: parse it cold."""
         if not self.max_bytes:
             return None
-        found = field_of(raw)
+        found = field_of(raw, field_name)
         if found is None:
             return None
         open_ = found.start(1)
-        key = (scope, hash(raw[open_ : open_ + HEAD_BYTES]))
+        key = (scope, field_name, hash(raw[open_ : open_ + HEAD_BYTES]))
         with self._lock:
             entries = self._cache.get(key, ())
         base: Spans | None = None
@@ -124,7 +130,7 @@ class TurnMemo:
             return False
         if size_of(spans) > self.max_bytes:
             return False
-        key = (scope, hash(spans.raw[spans.open : spans.open + HEAD_BYTES]))
+        key = (scope, spans.field_name, hash(spans.raw[spans.open : spans.open + HEAD_BYTES]))
         with self._lock:
             entries = self._cache.get(key, ())
             kept = (spans, *(e for e in entries if e is not base and e is not spans))

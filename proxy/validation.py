@@ -13,7 +13,8 @@ between messages.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
 from typing import Any
@@ -106,88 +107,117 @@ def _type_name(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A kind of body whose history array the span parser reads: the field that holds it and
+    the checks a parsed body must pass (raising a 400 ProxyError)."""
+
+    field_name: str
+    check: Callable[[dict[str, Any], int], None]
+
+
 async def parse_chat(
     raw: bytes, max_messages: int, memo: TurnMemo | None = None, scope: str | None = None
 ) -> tuple[dict[str, Any], Spans | None]:
     """parse_chat_spans (parse_chat_body for small bodies), in a worker thread when `raw`
     is big. With `memo` and `scope`: a body that extends one the scope sent recently is
     parsed from it (proxy.turnmemo; the same answer), and the body is kept for the next."""
+    return await parse_history(CHAT, raw, max_messages, memo, scope)
+
+
+async def parse_responses(
+    raw: bytes, max_items: int, memo: TurnMemo | None = None, scope: str | None = None
+) -> tuple[dict[str, Any], Spans | None]:
+    """A Responses API body, as `parse_chat` parses a chat one: a JSON object whose `input`,
+    when it is an array, holds objects (at most `max_items`); spans for that array when the
+    span parser can tell."""
+    return await parse_history(RESPONSES, raw, max_items, memo, scope)
+
+
+async def parse_history(
+    shape: Shape,
+    raw: bytes,
+    max_items: int,
+    memo: TurnMemo | None = None,
+    scope: str | None = None,
+) -> tuple[dict[str, Any], Spans | None]:
     if len(raw) < SPANS_MIN_BYTES:
-        return parse_chat_body(raw, max_messages), None
+        return parse_body(shape, raw, max_items), None
     if memo is None or scope is None:
-        return await _parse_spans(raw, max_messages)
-    remembered = await _remembered(raw, max_messages, memo, scope)
+        return await _parse_spans(shape, raw, max_items)
+    remembered = await _remembered(shape, raw, max_items, memo, scope)
     if remembered is not None:
         return remembered
-    body, spans = await _parse_spans(raw, max_messages)
+    body, spans = await _parse_spans(shape, raw, max_items)
     if spans is not None:
         memo.keep(scope, spans)
     return body, spans
 
 
 async def _remembered(
-    raw: bytes, max_messages: int, memo: TurnMemo, scope: str
+    shape: Shape, raw: bytes, max_items: int, memo: TurnMemo, scope: str
 ) -> tuple[dict[str, Any], Spans] | None:
     """The body parsed from a kept one it extends; None: parse it cold (which also words
     any error: only the new messages are checked here, the kept ones passed before)."""
     if len(raw) > jsonspans.WHOLE_ARRAY_BYTES:
         return None
-    if len(raw) <= INLINE_BYTES:
-        hit = memo.parse(scope, raw, max_messages, SPANS_MIN_AVERAGE)
-    else:
-        job = partial(memo.parse, scope, raw, max_messages, SPANS_MIN_AVERAGE)
-        hit = await anyio.to_thread.run_sync(job)
+    parse = partial(memo.parse, scope, raw, max_items, SPANS_MIN_AVERAGE, shape.field_name)
+    hit = parse() if len(raw) <= INLINE_BYTES else await anyio.to_thread.run_sync(parse)
     if hit is None:
         return None
     body, spans, base = hit
-    if not _all_have_roles(spans.messages[len(base.messages) :]):
+    new = spans.messages[len(base.messages) :]
+    if not (_all_have_roles(new) if shape is CHAT else all(map(_is_dict, new))):
         return None
     memo.keep(scope, spans, base)
     return body, spans
 
 
-async def _parse_spans(raw: bytes, max_messages: int) -> tuple[dict[str, Any], Spans | None]:
+async def _parse_spans(
+    shape: Shape, raw: bytes, max_items: int
+) -> tuple[dict[str, Any], Spans | None]:
     if len(raw) <= INLINE_BYTES:
         try:
-            fast = jsonspans.loads_chat_fast(raw, max_messages, SPANS_MIN_AVERAGE)
+            fast = jsonspans.loads_chat_fast(raw, max_items, SPANS_MIN_AVERAGE, shape.field_name)
         except jsonparse.TooManyItems:
-            raise too_many_messages(max_messages) from None
+            raise too_many_messages(max_items, shape.field_name) from None
         if fast:
-            check_chat_body(fast[0], max_messages)
+            shape.check(fast[0], max_items)
             return fast
-        if fast is not None:  # not for the span parser: the stdlib's, as parse_chat_spans
+        if fast is not None:  # not for the span parser: the stdlib's, as parse_spans
             if len(raw) <= OFFLOAD_BYTES:
-                return parse_chat_body(raw, max_messages), None
-            body = await anyio.to_thread.run_sync(partial(parse_chat_body, raw, max_messages))
+                return parse_body(shape, raw, max_items), None
+            body = await anyio.to_thread.run_sync(partial(parse_body, shape, raw, max_items))
             return body, None
-    return await anyio.to_thread.run_sync(partial(parse_chat_spans, raw, max_messages))
+    return await anyio.to_thread.run_sync(partial(parse_spans, shape, raw, max_items))
 
 
 def parse_chat_spans(raw: bytes, max_messages: int = 0) -> tuple[dict[str, Any], Spans | None]:
     """parse_chat_body, with where each message is in `raw` when the span parser could tell
     (proxy.jsonspans); same result, same errors."""
-    parsed = _spans_or_none(raw, max_messages)
-    if parsed is not None:
-        return parsed
-    return parse_chat_body(raw, max_messages), None
+    return parse_spans(CHAT, raw, max_messages)
 
 
-def _spans_or_none(raw: bytes, max_messages: int) -> tuple[dict[str, Any], Spans] | None:
+def parse_spans(
+    shape: Shape, raw: bytes, max_items: int = 0
+) -> tuple[dict[str, Any], Spans | None]:
     try:
-        parsed = jsonspans.loads_chat(raw, max_messages, SPANS_MIN_AVERAGE)
+        parsed = jsonspans.loads_chat(raw, max_items, SPANS_MIN_AVERAGE, shape.field_name)
     except jsonparse.TooManyItems:
-        raise too_many_messages(max_messages) from None
+        raise too_many_messages(max_items, shape.field_name) from None
     if parsed is not None:
-        check_chat_body(parsed[0], max_messages)
-    return parsed
+        shape.check(parsed[0], max_items)
+        return parsed
+    return parse_body(shape, raw, max_items), None
 
 
-async def discard_messages(body: dict[str, Any]) -> None:
-    """Free a big body's messages once they are sent, in a worker thread, a slice at a time:
-    dropping a million message dicts at once holds the GIL (the loop) for ~100 ms."""
-    messages = body.get("messages")
+async def discard_messages(body: dict[str, Any], field_name: str = "messages") -> None:
+    """Free a big body's messages (or the items `field_name` holds) once they are sent, in a
+    worker thread, a slice at a time: dropping a million message dicts at once holds the GIL
+    (the loop) for ~100 ms."""
+    messages = body.get(field_name)
     if isinstance(messages, list) and len(messages) > _FREE_SLICE:
-        body["messages"] = []
+        body[field_name] = []
         await anyio.to_thread.run_sync(_free_in_slices, messages)
 
 
@@ -201,15 +231,20 @@ def parse_chat_body(raw: bytes, max_messages: int = 0) -> dict[str, Any]:
 
     `max_messages` (0: no limit) stops parsing as soon as `messages` is longer.
     """
+    return parse_body(CHAT, raw, max_messages)
+
+
+def parse_body(shape: Shape, raw: bytes, max_items: int = 0) -> dict[str, Any]:
+    """Parse a body with the stdlib and check it as `shape` says; 400 ProxyError if not."""
     if not raw.strip():
         raise bad_request("The request body is empty; expected a JSON object.", code="invalid_json")
     try:
         if len(raw) <= OFFLOAD_BYTES:
             body = json.loads(raw)
         else:
-            body = jsonparse.loads(raw, limited_key="messages", max_items=max_messages)
+            body = jsonparse.loads(raw, limited_key=shape.field_name, max_items=max_items)
     except jsonparse.TooManyItems:
-        raise too_many_messages(max_messages) from None
+        raise too_many_messages(max_items, shape.field_name) from None
     except (ValueError, RecursionError) as exc:
         raise bad_request(
             f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
@@ -219,7 +254,7 @@ def parse_chat_body(raw: bytes, max_messages: int = 0) -> dict[str, Any]:
             f"The request body must be a JSON object, but got {_type_name(body)}.",
             code="invalid_type",
         )
-    check_chat_body(body, max_messages)
+    shape.check(body, max_items)
     return body
 
 
@@ -282,10 +317,41 @@ def _is_dict(value: object) -> bool:
     return type(value) is dict
 
 
-def too_many_messages(limit: int) -> ProxyError:
+def too_many_messages(limit: int, field_name: str = "messages") -> ProxyError:
+    items = "messages" if field_name == "messages" else "items"
     return bad_request(
-        f"Invalid 'messages': array too long. This proxy accepts at most {limit} messages "
+        f"Invalid '{field_name}': array too long. This proxy accepts at most {limit} {items} "
         "per request (server.max_messages).",
-        param="messages",
+        param=field_name,
         code="array_above_max_length",
     )
+
+
+def check_responses_body(body: dict[str, Any], max_items: int = 0) -> None:
+    """The checks on a parsed Responses API body: `input`, when it is an array, holds
+    objects, at most `max_items` of them. Everything else is the upstream's to judge (a
+    string `input`, none at all with `previous_response_id` or a stored prompt)."""
+    items = body.get("input")
+    if isinstance(items, list):
+        check_objects(items, "input", max_items)
+
+
+def check_objects(items: list[Any], field_name: str, max_items: int = 0) -> None:
+    """A 400 naming the first element of `items` (the body's `field_name`) that is not an
+    object, or the array's length past `max_items` (0: no limit)."""
+    if max_items and len(items) > max_items:
+        raise too_many_messages(max_items, field_name)
+    if all(map(_is_dict, items)):
+        return
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise bad_request(
+                f"Invalid type for '{field_name}[{index}]': expected an object, "
+                f"but got {_type_name(item)}.",
+                param=f"{field_name}[{index}]",
+                code="invalid_type",
+            )
+
+
+CHAT = Shape("messages", check_chat_body)
+RESPONSES = Shape("input", check_responses_body)

@@ -1,6 +1,7 @@
 """The conversation as the compaction core sees it, whatever API it came from.
 
-An API adapter (a `Format`: proxy/compaction/chat_format.py for chat completions) describes
+An API adapter (a `Format`: proxy/compaction/chat_format.py for chat completions,
+proxy/compaction/responses_format.py for the Responses API's `input` items) describes
 each item of a request's history as an `Entry`: its role, the tool calls it makes and the
 one it answers, whether it is a real ask, and how a compacted span treats it. The cut,
 masking and the planner read only entries and positions, so a second API (the Responses
@@ -10,7 +11,7 @@ API's items: `function_call` / `function_call_output` linked by `call_id`, `reas
 `describe` pairs results with calls once per history and extends an earlier description
 of a prefix (a session's previous turn, kept in its SessionCache) with only the new items.
 
-What an adapter for the Responses API's `input` items says, for instance: a `message` item
+What the Responses API's adapter says, in short: a `message` item
 has its `role` (a user message that is an `<environment_context>` block is `context`, never
 the task nor an ask); `function_call`, `custom_tool_call`, `local_shell_call` and any other
 `*_call` make the call `call_id`, and each `*_call_output` answers it; `reasoning` is
@@ -31,8 +32,9 @@ from typing import Literal, Protocol
 from proxy.report import Message
 
 # How a compacted span treats an entry: summarized with the rest; dropped (never shown to a
-# summarizer: reasoning); or a barrier, never inside a compacted span (the history up to the
-# last barrier stays in place, like the pinned system messages).
+# summarizer: reasoning; and never separated from the entry after it, the output it led to,
+# which an API may refuse to see without it); or a barrier, never inside a compacted span
+# (the history up to the last barrier stays in place, like the pinned system messages).
 SpanRule = Literal["summarize", "drop", "barrier"]
 
 
@@ -78,8 +80,9 @@ class Described:
     """The entries of a history and what pairing them found.
 
     `partner[i]` is the lowest position that must stay on the same side of any cut as i:
-    a tool result's call, else i itself. A cut at c keeps every pair intact exactly when
-    min(partner[c:]) >= c. Read only: `extended` builds a new one from copies.
+    a tool result's call, or the dropped entry right before i, else i itself. A cut at c
+    keeps every pair intact exactly when min(partner[c:]) >= c. Read only: `extended`
+    builds a new one from copies.
     """
 
     key: str
@@ -114,8 +117,11 @@ class Described:
         pending = dict(self.pending)
         last_call, answered, barrier = self.last_call, self.answered, self.barrier
         dropped = self.dropped
+        after_drop = bool(self.entries) and self.entries[-1].span == "drop"
         for index, entry in enumerate(entries, len(self.entries)):
-            partner.append(index)
+            # An entry right after a dropped one (reasoning) stays on its side of any cut.
+            partner.append(index - 1 if after_drop else index)
+            after_drop = entry.span == "drop"
             call_of.append(-1)
             result_index.append(0)
             if entry.role == "user":
@@ -145,7 +151,7 @@ class Described:
                 result_index[index] = answered
                 answered += 1
             if call >= 0:
-                partner[index] = call
+                partner[index] = min(partner[index], call)
                 call_of[index] = call
         return Described(
             self.key,

@@ -3,17 +3,21 @@
 Pure: a function of the history's description (proxy/compaction/conversation.py), the
 rules and the token counts it is given. What is protected, in order:
 
-1. leading system/developer messages: pinned in place, never summarized (and everything up
-   to the last barrier entry, for APIs that have them);
+1. leading system/developer messages, and context blocks among them (an agent's
+   environment or instructions sent as a user item): pinned in place, never summarized (and
+   everything up to the last barrier entry, for APIs that have them);
 2. the task, the first user message: forwarded verbatim right after the pinned messages
    even when the summary covers it (unless it alone is over `task_max_tokens`: then it is
    summarized like the rest and `Cut.task_summarized` says so);
-3. the latest ask: in "carry" mode the latest user message that is a real ask (not one an
-   agent injected), when the summary covers it, is forwarded verbatim right after the
-   summary. The cut never waits for it, so it moves forward as the conversation grows. A
-   summary keeps carrying the ask it carried when it was made (`StoredSummary.carried`), so
-   reusing it forwards the same prefix. In "pin" mode (the reference-like default of the
-   class) the cut stops at the latest user message instead;
+3. the user's asks: in "carry" mode the latest user message that is a real ask (not one an
+   agent injected, not a context block), when the summary covers it, is forwarded verbatim
+   right after the summary, and so are older asks the summary covers, newest first, while
+   all the carried asks total at most `asks_max_tokens` (what the user said steers the
+   work; a summary loses its words). Which asks a summary carries depends only on what it
+   covers, so reusing it forwards the same prefix; a summary also keeps carrying the ask it
+   carried when it was made (`StoredSummary.carried`). The cut never waits for an ask, so
+   it moves forward as the conversation grows. In "pin" mode (the reference-like default of
+   the class) the cut stops at the latest user message instead;
 4. the tail: the last `max_preserved_messages` user/assistant messages and, with
    `keep_tokens`, as many more recent messages as fit in that many tokens.
 
@@ -45,6 +49,8 @@ class CutRules:
     max_preserved_messages: int = 2
     latest_user: Literal["pin", "carry", "off"] = "pin"
     task_max_tokens: int | None = None  # None: the task is not protected
+    # In "carry" mode, older asks are carried too while all carried total at most this.
+    asks_max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class CutPlan:
     asks: tuple[int, ...]
     stops: tuple[int, ...]
     task_summarized: bool
+    ask_tokens: tuple[int, ...] = ()  # the tokens of each ask (empty: not counted)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,8 @@ class Cut:
     stops: tuple[int, ...] = ()
     task_summarized: bool = False  # the first user message exceeded its cap: summarized
     dropped: frozenset[int] = frozenset()  # never shown to a summarizer (reasoning items)
+    ask_tokens: tuple[int, ...] = ()  # the tokens of each of `asks` (empty: not counted)
+    asks_max_tokens: int = 0  # see CutRules
     # What the summary reads and the store hashes for `rest`, item by item, when an earlier
     # stage changed only the content of some items (masking): their original content.
     source: list[Message] | None = field(default=None, repr=False, compare=False)
@@ -123,7 +132,10 @@ class Cut:
         since); it stays, so a reused summary forwards the same prefix as before."""
         rest = self.rest
         before = [rest[self.task]] if self.task is not None and self.task < length else []
-        carried = {self.ask_for(length)}
+        carried: set[int | None] = {self.ask_for(length)}
+        carried.update(
+            carried_asks(self.asks, self.ask_tokens, self.asks_max_tokens, self.task, length)
+        )
         if sticky is not None and sticky < length and sticky != self.task:
             carried.add(sticky)
         after = [rest[p] for p in sorted(p for p in carried if p is not None)]
@@ -163,6 +175,8 @@ def cut_messages(
         asks=tuple(a - start for a in plan.asks),
         stops=tuple(s - start for s in plan.stops),
         task_summarized=plan.task_summarized,
+        ask_tokens=plan.ask_tokens,
+        asks_max_tokens=rules.asks_max_tokens,
         dropped=frozenset(
             i - start for i, e in enumerate(described.entries) if i >= start and e.span == "drop"
         )
@@ -184,7 +198,7 @@ def plan_cut(
     count = count or _one_each
     entries = described.entries
     start = 0
-    while start < len(entries) and entries[start].role in PINNED_ROLES:
+    while start < len(entries) and (entries[start].role in PINNED_ROLES or entries[start].context):
         start += 1
     start = max(start, described.barrier + 1)
     nothing = CutPlan(start, start, None, (), (), False)
@@ -206,15 +220,19 @@ def plan_cut(
         else:
             task_summarized = first < index
     asks: tuple[int, ...] = ()
+    ask_tokens: tuple[int, ...] = ()
     if rules.latest_user == "carry":
         users = described.users[bisect_left(described.users, start) :]
         asks = tuple(i for i in users if entries[i].ask and not (task_summarized and i == first))
+        if rules.asks_max_tokens and len(asks) > 1:
+            ask_tokens = tuple(count(a, a + 1)[0] for a in asks)
     stops = _clean_positions(partner, index, latest)
     # A span of nothing but carried messages has nothing to summarize: move on if possible.
     for position in (index, *stops):
-        if not _only_protected(start, position, task, asks):
+        carried = {task, *carried_asks(asks, ask_tokens, rules.asks_max_tokens, task, position)}
+        if not all(i in carried for i in range(start, position)):
             later = tuple(s for s in stops if s > position)
-            return CutPlan(start, position, task, asks, later, task_summarized)
+            return CutPlan(start, position, task, asks, later, task_summarized, ask_tokens)
     return nothing
 
 
@@ -222,12 +240,31 @@ def _one_each(start: int, end: int) -> list[int]:
     return [1] * (end - start)
 
 
-def _only_protected(start: int, end: int, task: int | None, asks: tuple[int, ...]) -> bool:
-    """Would a summary of messages[start:end] replace nothing but carried messages?
-
-    Stops at the first message that is not carried, so it costs O(1) in practice."""
-    carried = {task, asks[-1] if asks and asks[-1] < end else None}
-    return all(i in carried for i in range(start, end))
+def carried_asks(
+    asks: tuple[int, ...],
+    tokens: tuple[int, ...],
+    limit: int,
+    task: int | None,
+    length: int,
+) -> list[int]:
+    """The asks a summary of everything before `length` carries verbatim, ascending: the
+    latest ask when it covers it, and older ones it covers, newest first, while all of them
+    total at most `limit` tokens (`tokens`: each ask's; empty: only the latest). Asks in the
+    tail are verbatim already and not counted."""
+    chosen: list[int] = []
+    total = 0
+    last = len(asks) - 1
+    for index in range(last, -1, -1):
+        position = asks[index]
+        if position >= length or position == task:
+            continue
+        cost = tokens[index] if tokens else 0
+        if index != last and (not tokens or total + cost > limit):
+            break
+        chosen.append(position)
+        total += cost
+    chosen.reverse()
+    return chosen
 
 
 def _count_cut(described: Described, start: int, rules: CutRules) -> int:

@@ -198,7 +198,10 @@ class Body:
 
 
 def message_body(message: Message, max_tokens: int, count_tokens: CountTokens) -> Body:
-    """The summarizer's view of one message: its text, its tool calls, media placeholders."""
+    """The summarizer's view of one message: its text, its tool calls, media placeholders.
+    A Responses API item is read as the chat message it stands for (`item_message`)."""
+    if isinstance(message, dict) and message.get("type", "message") != "message":
+        message = item_message(message)
     role = message_role(message)
     if not isinstance(message, dict):
         return Body(role, "", 0)
@@ -212,6 +215,40 @@ def message_body(message: Message, max_tokens: int, count_tokens: CountTokens) -
     pieces.extend(tool_calls_text(message))
     body, tokens = cap_tokens("\n".join(pieces), max_tokens, count_tokens)
     return Body(role, body, tokens)
+
+
+def item_message(item: dict[str, Any]) -> Message:
+    """A Responses API item as the chat message a summarizer reads: a call as an assistant
+    tool call (a custom tool's `input` and a shell call's `action` as its arguments), an
+    output as a tool message, any other item as an assistant note naming its type."""
+    kind = str(item.get("type"))
+    call_id = item.get("call_id")
+    if kind.endswith("_call") or kind == "mcp_approval_request":
+        name = item.get("name")
+        arguments = item.get("arguments", item.get("input", item.get("action")))
+        if arguments is None:
+            fields = {k: v for k, v in item.items() if k not in ("id", "type", "status")}
+            arguments = fields
+        call = {
+            "id": call_id if isinstance(call_id, str) else "",
+            "function": {"name": name if isinstance(name, str) and name else kind,
+                         "arguments": arguments},
+        }  # fmt: skip
+        return {"role": "assistant", "tool_calls": [call]}
+    if kind.endswith("_output") or kind == "mcp_approval_response":
+        output = item.get("output")
+        if not isinstance(output, str | list):
+            output = _json_text({k: v for k, v in item.items() if k not in ("id", "type")})
+        answered = call_id if isinstance(call_id, str) else item.get("approval_request_id")
+        return {"role": "tool", "tool_call_id": answered, "content": output}
+    return {"role": "assistant", "content": f"[{kind}]"}
+
+
+def _json_text(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError, RecursionError):
+        return str(value)
 
 
 def compose(bodies: list[Body], custom_instruction: str = "", prompt: str | None = None) -> str:

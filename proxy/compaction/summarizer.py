@@ -1,4 +1,5 @@
-"""The summarizer: one non-streaming chat completion against an OpenAI-compatible upstream.
+"""The summarizer: one non-streaming chat completion against an OpenAI-compatible upstream
+(or one Responses API request, `compaction.summarizer.api = "responses"`).
 
 It must never make a client's request much worse than no compaction: one deadline bounds the
 whole call including retries, only transient failures are retried (a bad request stays bad),
@@ -129,7 +130,8 @@ class _Transient(Exception):
 
 
 class UpstreamSummarizer:
-    """Satisfies `proxy.compaction.protocol.Summarizer` via `POST {base_url}/chat/completions`.
+    """Satisfies `proxy.compaction.protocol.Summarizer` via `POST {base_url}/chat/completions`
+    (`api="responses"`: `POST {base_url}/responses`, the system prompt as `instructions`).
 
     Built per request (base URL, model and auth headers depend on it) around the app's shared
     client and breaker. `timeout_s` bounds the whole call, retries and backoff included.
@@ -151,11 +153,14 @@ class UpstreamSummarizer:
         sleep: Sleep = asyncio.sleep,
         jitter: Callable[[], float] = random.random,
         on_result: Callable[[float | None, str | None], None] | None = None,
+        api: str = "chat",
     ) -> None:
         """`on_result(seconds, failure reason)` after each call (metrics); seconds is None
         when the breaker refused the call."""
         self.client = client
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.api = api
+        path = "/responses" if api == "responses" else "/chat/completions"
+        self.url = base_url.rstrip("/") + path
         self.model = model
         self.headers = dict(headers or {})
         self.max_tokens = max_tokens
@@ -170,6 +175,15 @@ class UpstreamSummarizer:
 
     def request_body(self, system_prompt: str, messages: list[Message]) -> dict[str, Any]:
         """No tools, no streaming, a hard cap on the summary's length."""
+        if self.api == "responses":  # chat messages are valid `input` items as they are
+            return {
+                "model": self.model,
+                "instructions": system_prompt,
+                "input": messages,
+                "stream": False,
+                "store": False,
+                "max_output_tokens": self.max_tokens,
+            }
         cap_key = (
             "max_completion_tokens" if uses_max_completion_tokens(self.model) else "max_tokens"
         )
@@ -260,6 +274,8 @@ class UpstreamSummarizer:
             if status == 429 or status >= 500:
                 raise _Transient(error, _retry_after(response))
             raise error
+        if self.api == "responses":
+            return _parse_response(response)
         return _parse_reply(response)
 
 
@@ -309,10 +325,41 @@ def _parse_reply(response: httpx.Response) -> Summary:
     return Summary(text, _usage(payload.get("usage")))
 
 
+def _parse_response(response: httpx.Response) -> Summary:
+    """A Response's text: its `message` output items' `output_text` parts, reasoning and
+    everything else left out."""
+    try:
+        payload = response.json()
+        output = payload["output"]
+        if not isinstance(output, list):
+            raise TypeError(output)
+    except (ValueError, KeyError, TypeError):
+        raise SummarizerError(
+            "summarizer_bad_response",
+            f"not a Response: {response.text[:_ERROR_SNIPPET_CHARS]}",
+        ) from None
+    usage = _usage(payload.get("usage"))
+    messages = [i for i in output if isinstance(i, dict) and i.get("type") == "message"]
+    text = strip_reasoning("\n".join(content_text(m.get("content")) for m in messages))
+    if not text:
+        if any(isinstance(i, dict) and str(i.get("type", "")).endswith("_call") for i in output):
+            raise SummarizerError(
+                "summarizer_tool_call", "the summarizer answered with a tool call", usage
+            )
+        raise SummarizerError("summarizer_empty", "the summarizer's reply had no text", usage)
+    details = payload.get("incomplete_details")
+    if isinstance(details, dict) and details.get("reason") == "max_output_tokens":
+        log.warning("summary cut off at compaction.summary_max_tokens (max_output_tokens)")
+    return Summary(text, usage)
+
+
 def _usage(usage: Any) -> Usage:
+    """Chat's `prompt_tokens`/`completion_tokens`, or the Responses API's `input_tokens`/
+    `output_tokens`."""
     if not isinstance(usage, dict):
         return Usage()
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
     return Usage(
         prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else 0,
         completion if isinstance(completion, int) and not isinstance(completion, bool) else 0,

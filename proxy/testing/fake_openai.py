@@ -1,10 +1,12 @@
 """FakeOpenAI: an OpenAI-compatible upstream for tests, on a respx router or as an ASGI app.
 
 It answers `POST .../chat/completions` (JSON or SSE, `usage` counted with the proxy's own
-token counter), `GET .../models` and `GET .../models/{id}`. On respx, other requests fall
-through to the test's own routes; served as an ASGI app, it 404s them OpenAI-style. It tells
-the proxy's summarizer calls (recognised by the summarizer's system prompt) from forwarded
-chat requests, records every request, and replies from a script:
+token counter), `POST .../responses` (a Response object or its event stream, as
+proxy/testing/fake_responses.py renders them), `GET .../models` and `GET .../models/{id}`.
+On respx, other requests fall through to the test's own routes; served as an ASGI app, it
+404s them OpenAI-style. It tells the proxy's summarizer calls (recognised by the
+summarizer's system prompt) from forwarded requests, records every request, and replies
+from a script:
 
     fake = FakeOpenAI(replies=[ToolCall("read_file", {"path": "a.py"}), "done"])
     fake.summaries = [Error(503)]          # the next summarizer call fails
@@ -31,8 +33,10 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from proxy.compaction.prompt import SYSTEM_PROMPT
+from proxy.testing import fake_responses
 from proxy.testing.app import FAKE_UPSTREAM, load_offline_tokenizer, make_settings
 from proxy.tokens import TokenCounter
+from proxy.tokens.responses import ResponsesCounter
 
 if TYPE_CHECKING:  # respx is needed to mock, not to serve (`compaction-proxy fake-upstream`)
     import respx
@@ -42,7 +46,7 @@ DEFAULT_REPLY = "Hello from the fake upstream."
 DEFAULT_MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini")
 CREATED = 1_700_000_000
 
-Kind = Literal["chat", "summarizer", "models", "other"]
+Kind = Literal["chat", "responses", "summarizer", "models", "other"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,9 @@ class Reply:
     finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
     delay_s: float = 0.0
     headers: Mapping[str, str] = field(default_factory=dict)
-    usage: Mapping[str, int] | None = None  # reported as given; default: counted
+    usage: Mapping[str, Any] | None = None  # reported as given; default: counted
+    # On the Responses API: a `reasoning` item (with `encrypted_content`) before the output.
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,12 @@ class Call:
         return messages if isinstance(messages, list) else []
 
     @property
+    def input(self) -> list[dict[str, Any]]:
+        """A Responses API request's `input` items ([] for a string or none)."""
+        items = self.body.get("input") if isinstance(self.body, dict) else None
+        return items if isinstance(items, list) else []
+
+    @property
     def stream(self) -> bool:
         return isinstance(self.body, dict) and bool(self.body.get("stream"))
 
@@ -156,6 +168,7 @@ class FakeOpenAI:
         self.calls: list[Call] = []
         self._lock = threading.Lock()
         self._counter: TokenCounter | None = None
+        self._responses_counter: ResponsesCounter | None = None
         self.router: respx.MockRouter | None = None  # while `mock()` is active
 
     # -- what was received -------------------------------------------------------------------
@@ -168,6 +181,18 @@ class FakeOpenAI:
     def chat_calls(self) -> list[Call]:
         """Chat completions the proxy forwarded (summarizer calls excluded)."""
         return [c for c in self.calls if c.kind == "chat"]
+
+    @property
+    def responses_calls(self) -> list[Call]:
+        """Responses API requests the proxy forwarded (summarizer calls excluded)."""
+        return [c for c in self.calls if c.kind == "responses"]
+
+    @property
+    def last_forwarded_input(self) -> list[dict[str, Any]]:
+        calls = self.responses_calls
+        if not calls:
+            raise LookupError("the fake upstream has received no Responses API request")
+        return calls[-1].input
 
     @property
     def last_forwarded_messages(self) -> list[dict[str, Any]]:
@@ -192,6 +217,7 @@ class FakeOpenAI:
         tail = r"(\?.*)?$"
         routes = [
             router.route(method="POST", url__regex=f"^{base}/chat/completions{tail}"),
+            router.route(method="POST", url__regex=f"^{base}/responses{tail}"),
             router.route(method="GET", url__regex=f"^{base}/models(/[^/?]+)?{tail}"),
         ]
         for route in routes:
@@ -264,6 +290,9 @@ class FakeOpenAI:
         if request.method == "POST" and path.endswith("/chat/completions"):
             is_summary = isinstance(body, dict) and _first_content(body) == SYSTEM_PROMPT
             kind = "summarizer" if is_summary else "chat"
+        elif request.method == "POST" and path.endswith("/responses"):
+            is_summary = isinstance(body, dict) and body.get("instructions") == SYSTEM_PROMPT
+            kind = "summarizer" if is_summary else "responses"
         elif request.method == "GET" and re.search(r"/models(/[^/]+)?$", path):
             kind = "models"
         call = Call(kind, request, body)
@@ -293,7 +322,8 @@ class FakeOpenAI:
             return script.pop(0) if isinstance(script, list) and script else None
 
     def _default_summary(self, call: Call) -> str:
-        digest = hashlib.sha256(json.dumps(call.messages, sort_keys=True).encode()).hexdigest()
+        read = call.messages or call.input
+        digest = hashlib.sha256(json.dumps(read, sort_keys=True).encode()).hexdigest()
         text = f"{FAKE_SUMMARY_PREFIX} {digest[:12]}:"
         missing = self.summary_tokens - self._count_text(call.model, text)
         return text + " fact" * max(missing, 0)  # " fact" is one token in both encodings
@@ -307,9 +337,11 @@ class FakeOpenAI:
         reply = _as_reply(item.reply if isinstance(item, BrokenStream) else item)
         if reply.delay_s:
             await asyncio.sleep(reply.delay_s)
+        headers = {"x-fake-openai": call.kind, **reply.headers}
+        if call.path.endswith("/responses"):
+            return self._response(call, reply, broken, headers)
         usage = dict(reply.usage) if reply.usage is not None else self._usage(call, reply)
         model = call.model or "fake"
-        headers = {"x-fake-openai": call.kind, **reply.headers}
         if call.stream:
             events = _stream_events(model, reply, usage, call.body)
             if broken is not None:
@@ -324,6 +356,38 @@ class FakeOpenAI:
             return httpx.Response(200, headers=headers, content=_cut(raw[: len(raw) // 2]))
         headers["content-type"] = "application/json"
         return httpx.Response(200, headers=headers, content=raw)
+
+    def _response(
+        self, call: Call, reply: Reply, broken: BrokenStream | None, headers: dict[str, str]
+    ) -> httpx.Response:
+        """A Responses API reply (see proxy/testing/fake_responses.py)."""
+        body = call.body
+        output = fake_responses.output_items(reply, fake_responses.seed_of(body))
+        if reply.usage is not None:
+            usage = dict(reply.usage)
+        else:
+            completion = self._count_text(call.model, fake_responses.output_text(output))
+            usage = fake_responses.usage_of(self._input_tokens(body), completion)
+        if call.stream:
+            events = fake_responses.stream_events(body, output, usage)
+            if broken is not None:
+                events = events[: broken.after_chunks + 1]
+            headers["content-type"] = "text/event-stream"
+            stream = fake_responses.sse(events, broken=broken is not None)
+            return httpx.Response(200, headers=headers, content=stream)
+        raw = json.dumps(fake_responses.response_object(body, output, usage, "completed")).encode()
+        headers["content-type"] = "application/json"
+        if broken is not None:
+            headers["content-length"] = str(len(raw))
+            return httpx.Response(200, headers=headers, content=_cut(raw[: len(raw) // 2]))
+        return httpx.Response(200, headers=headers, content=raw)
+
+    def _input_tokens(self, body: dict[str, Any]) -> int:
+        """A Responses request's input tokens, as the proxy counts them."""
+        try:
+            return self.responses_counter.count_request(body)
+        except Exception:  # a body the counter rejects still gets an answer
+            return 0
 
     def _models(self, call: Call) -> httpx.Response:
         match = re.search(r"/models/([^/]+)$", call.path)
@@ -349,6 +413,13 @@ class FakeOpenAI:
             counter.load()
             self._counter = counter
         return self._counter
+
+    @property
+    def responses_counter(self) -> ResponsesCounter:
+        """The proxy's Responses API counter, over `counter`."""
+        if self._responses_counter is None:
+            self._responses_counter = ResponsesCounter(self.counter, make_settings())
+        return self._responses_counter
 
     def _count_text(self, model: str | None, text: str) -> int:
         return self.counter.count_text(model or "gpt-4o-mini", text)
