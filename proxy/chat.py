@@ -23,7 +23,7 @@ from proxy.exchange import Exchange
 from proxy.jsonspans import Parsed, Spans
 from proxy.report import PASSTHROUGH
 from proxy.settings import Settings
-from proxy.usage import ChatTap
+from proxy.usage import ChatTap, end_user
 from proxy.validation import discard_messages, parse_chat, read_body
 
 
@@ -58,7 +58,8 @@ async def chat_completions(request: Request) -> Response:
             tokens = await state.counter.acount_request(body)
         if tap is not None:
             tap.outcome = outcome
-        verdict = await exchange.charge(caller.key, tokens or 0)
+        reserve = state.quotas.estimate(caller.key, body, tokens or 0, outcome.usage)
+        verdict = await exchange.charge(caller.key, tokens or 0, reserve)
         if verdict.refusal is not None:
             raise verdict.refusal
         if outcome.messages is not None:
@@ -89,8 +90,9 @@ async def chat_completions(request: Request) -> Response:
                 (body, content), hide_usage = asked, True
             # Accounted from here on, its summarizer calls as they answer (see unanswered).
             tap = exchange.usage = state.meter.tap(
-                caller.key.id, model, PASSTHROUGH, hide_usage=hide_usage, spend=Spend()
-            )
+                caller.key.id, model, PASSTHROUGH, hide_usage=hide_usage, spend=Spend(),
+                team=caller.key.team, user=end_user(body),
+            )  # fmt: skip
         response, quota_headers = await exchange.guard(
             lambda: compact_and_forward(body, content, caller, control, parsed, scope, tap)
         )
