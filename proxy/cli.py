@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     from proxy.demo import register_commands as register_demo
 
     register_demo(commands)
+    from proxy.admin.command import register_commands as register_keys
+
+    register_keys(commands)
     return parser
 
 

@@ -197,9 +197,10 @@ class Ledger(Protocol):
         LedgerUnavailable when the backend cannot answer."""
         ...
 
-    async def settle(self, reservation: Reservation, delta_nano: int) -> None:
+    def settle(self, reservation: Reservation, delta_nano: int) -> Awaitable[None]:
         """Add `delta_nano` (the real price minus the reservation) to the spend the
-        reservation was added to, once per `reservation.token`. Raises LedgerUnavailable."""
+        reservation was added to, once per `reservation.token`. A backend that is not
+        `remote` has done it when this returns. Raises LedgerUnavailable."""
         ...
 
     async def peek(self, key_id: str, team: str | None, w: Windows) -> tuple[Counters, Counters]:

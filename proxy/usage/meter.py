@@ -200,6 +200,9 @@ class Meter:
         delta = cost_nano - reservation.nano
         if not delta:
             return
+        if not self.ledger.remote:  # applied as it returns
+            self.ledger.settle(reservation, delta)
+            return
         task = asyncio.get_running_loop().create_task(self._settle(reservation, delta))
         self._writing.add(task)
         task.add_done_callback(self._writing.discard)
