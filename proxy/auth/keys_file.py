@@ -18,14 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from proxy.settings import ConfigError, KeySettings, LimitSettings, format_validation_error
 
 log = logging.getLogger("proxy.auth")
 
-_ENTRIES = TypeAdapter(list[KeySettings])
-_TEAMS = TypeAdapter(dict[str, LimitSettings])
+
+
+class _Tables(BaseModel):
+    """What the file holds, validated together so an error names its place (keys.0.id)."""
+
+    keys: list[KeySettings]
+    teams: dict[str, LimitSettings]
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,10 @@ def read_keys_file(path: Path) -> KeysFile:
         raise ConfigError(f"auth.keys_file {path} does not parse: {exc}") from None
     keys, teams = _tables(data, path)
     try:
-        entries = _ENTRIES.validate_python(keys)
-        team_limits = _TEAMS.validate_python(teams)
+        tables = _Tables.model_validate({"keys": keys, "teams": teams})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, f"(in {path})")) from None
+    entries, team_limits = tables.keys, tables.teams
     if not entries:
         raise ConfigError(
             f"auth.keys_file {path} holds no keys (expected [[keys]] or [[auth.keys]] "

@@ -104,7 +104,10 @@ async def test_create_rotate_revoke_across_two_replicas_sharing_redis(
 
     listed = await admin(one, "GET", "/admin/keys")
     [entry] = [key for key in listed["data"] if key["id"] == "team-a"]
-    assert entry["revoked"] and {s["id"] for s in entry["secrets"]} == {old_id, rotated["secret_id"]}
+    assert entry["revoked"] and {s["id"] for s in entry["secrets"]} == {
+        old_id,
+        rotated["secret_id"],
+    }
     audit = await admin(one, "GET", "/admin/audit")
     actions = [item["action"] for item in audit["data"]]
     assert actions == ["key.revoke", "key.revoke_secret", "key.rotate", "key.create"]
