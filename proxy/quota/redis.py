@@ -153,8 +153,8 @@ if last and tonumber(last) >= tonumber(ARGV[5]) then
 end
 redis.call('HSET', KEYS[4], ARGV[4], ARGV[5])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
-local pairs_end = 9 + 2 * tonumber(ARGV[9]) - 1
-for i = 10, pairs_end, 2 do
+local last = 9 + 2 * tonumber(ARGV[9])
+for i = 10, last, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
@@ -166,7 +166,7 @@ if user ~= '' then
      and redis.call('HLEN', KEYS[5]) >= cap * 6 then
     user = '(other)'
   end
-  for i = pairs_end + 1, #ARGV - 1, 2 do
+  for i = last + 1, #ARGV - 1, 2 do
     redis.call('HINCRBY', KEYS[5], user .. sep .. ARGV[i], ARGV[i + 1])
   end
   redis.call('EXPIRE', KEYS[5], ARGV[1])

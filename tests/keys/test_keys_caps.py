@@ -280,3 +280,49 @@ async def test_team_spend_cap_holds_across_keys_and_replicas_under_concurrency(
     assert codes.count(200) >= 2
     _, team = await replicas[0].state.quotas.ledger.peek("a", "platform", _windows(replicas[0]))
     assert team.spend_day_nano == round(total * 1e9)
+
+
+async def test_a_teams_keys_and_counters_share_one_slot_on_a_cluster(
+    make_app: Any, upstream: respx.MockRouter, redis_cluster: list[str]
+) -> None:
+    import os
+
+    upstream.post("/chat/completions").respond(json=reply())
+    quota = {**redis_quota(f"test-teams-{os.urandom(4).hex()}:"), "redis_url": redis_cluster}
+    settings = capped(
+        key_entry("a", KEY_A, team="platform", spend_usd_per_day=1.0),
+        key_entry("b", KEY_B, team="platform"),
+        auth={"teams": {"platform": {"requests_per_minute": 3}}},
+        quota=quota,
+    )
+    one, two = await make_app(settings), await make_app(settings)
+    clock = 1_800_000_010.0
+    for app in (one, two):
+        app.state.quotas.clock = app.state.meter.clock = lambda: clock
+    codes = []
+    for app, key in ((one, KEY_A), (two, KEY_B), (one, KEY_B), (two, KEY_A)):
+        response = await app.client.post("/v1/chat/completions", json=body(), headers=bearer(key))
+        codes.append(response.status_code)
+    assert codes == [200, 200, 200, 429]
+    for app in (one, two):
+        await app.state.meter.join()
+    ledger = one.state.quotas.ledger
+    w = _windows(one)
+    slots = {
+        await ledger.client.cluster_keyslot(name)
+        for name in (
+            ledger.holder_key("a", "platform", "rpm", w.minute),
+            ledger.holder_key("a", "platform", "spend", w.day),
+            ledger.holder_key("b", "platform", "usage", w.day),
+            ledger.team_key("platform", "rpm", w.minute),
+            ledger.team_key("platform", "spend", w.month),
+        )
+    }
+    assert len(slots) == 1
+    rows = await ledger.usage(None, w.day, w.day)
+    assert {(row.key, row.team, row.counts.requests) for row in rows} == {
+        ("a", "platform", 1),
+        ("b", "platform", 2),
+    }
+    _, team = await ledger.peek("a", "platform", w)
+    assert team.requests == 3 and team.spend_day_nano == round(3 * COST * 1e9)
