@@ -47,7 +47,7 @@ def stacked_bars(
     series: dict[str, list[float]],
     fmt: Format,
     *,
-    width: int = 640,
+    width: int = 600,
     height: int = 240,
 ) -> str:
     """Bars per category (days), each stacked by series, with a legend and tooltips."""
@@ -115,14 +115,14 @@ def _legend(names: list[str], x: float, y: float) -> str:
 
 
 def horizontal_bars(
-    title: str, items: Sequence[tuple[str, float]], fmt: Format, *, width: int = 420
+    title: str, items: Sequence[tuple[str, float]], fmt: Format, *, width: int = 340
 ) -> str:
     """One bar per item (the largest 12), labelled with its value."""
     items = sorted(items, key=lambda item: -item[1])[:12]
-    row, top, label_w = 22, 28, 140
+    row, top, label_w = 22, 28, 120
     height = top + row * max(1, len(items)) + 8
     most = max((value for _, value in items), default=0.0) or 1.0
-    plot_w = width - label_w - 90
+    plot_w = width - label_w - 70
     parts = [
         f'<svg class="chart" role="img" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">',

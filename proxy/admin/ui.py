@@ -52,6 +52,10 @@ def _usd(value: float) -> str:
     return f"${value:,.4f}" if value < 1 else f"${value:,.2f}"
 
 
+def _usd_axis(value: float) -> str:
+    return f"${value:,.2f}" if value >= 0.1 or value == 0 else f"${value:.4f}".rstrip("0")
+
+
 def _count(value: float) -> str:
     if value >= 1e6:
         return f"{value / 1e6:.1f}M"
@@ -121,6 +125,8 @@ def _recent_table(rows: list[dict[str, Any]]) -> str:
             row.get("time"), row.get("request_id"), row.get("key_id"), row.get("model"),
             row.get("status"), before, after, saved,
         ]  # fmt: skip
+        when = str(cells[0] or "")
+        cells[0] = when[5:19].replace("T", " ") if len(when) >= 19 else when
         lines.append("<tr>")
         for i, cell in enumerate(cells):
             text = "" if cell is None else str(cell)
@@ -180,7 +186,7 @@ async def admin_ui(request: Request) -> Response:
         + " ".join(f'<a href="?days={n}&amp;by={by}">{n} days</a>' for n in (7, 14, 30))
     )
     charts = [
-        stacked_bars(f"Spend per day, by {by}", days, _by_day(rows, days, by, _cost), _usd),
+        stacked_bars(f"Spend per day, by {by}", days, _by_day(rows, days, by, _cost), _usd_axis),
         stacked_bars(
             f"Prompt tokens saved by compaction per day, by {by}", days,
             _by_day(rows, days, by, lambda row: row.counts.tokens_saved), _count,
