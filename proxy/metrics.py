@@ -111,7 +111,9 @@ class Metrics:
         self._models: set[str] = set()
         self._keys: set[str] = set()
         self._teams: set[str] = set()
-        self._requests: dict[tuple[str, int | None, str | None, str | None], Any] = {}
+        self._requests: dict[tuple[str, int | None, str | None, str | None, str | None], Any] = {}
+        # (key id, team, model) -> the usage token series by kind, and the spend series
+        self._usage: dict[tuple[str, str | None, str], tuple[list[Any], Any]] = {}
         self._by_route: dict[str, tuple[Any, Any, Any]] = {}
         self._children: dict[tuple[str, ...], Any] = {}  # other labelled series, by family
         self._store_errors_seen = 0
@@ -246,7 +248,7 @@ class Metrics:
         self.in_flight.dec()
         if record.stream and record.status is not None:
             self.in_flight_streams.dec()
-        key = (route, record.status, record.model, record.key_id)
+        key = (route, record.status, record.model, record.key_id, record.team)
         requests = self._requests.get(key)
         if requests is None:  # labels() validates its arguments: once per series, not per call
             status = str(record.status) if record.status is not None else "none"
@@ -318,18 +320,30 @@ class Metrics:
         self, key_id: str, team: str | None, model: str, counts: UsageCounts
     ) -> None:
         """A keyed reply's usage, as the meter accounts it (see Meter.observer)."""
-        key, team_name = self.key_label(key_id), self.team_label(team)
-        model_name = self.model_label(model)
-        for kind, field in USAGE_TOKEN_KINDS:
+        series = self._usage.get((key_id, team, model))
+        if series is None:
+            series = self._usage_series(key_id, team, model)
+        tokens, spend = series
+        for child, (_, field) in zip(tokens, USAGE_TOKEN_KINDS, strict=True):
             amount = getattr(counts, field)
             if amount:
-                self._child(self.usage_tokens, "usage", key, team_name, model_name, kind).inc(
-                    amount
-                )
+                child.inc(amount)
         if counts.cost_nano_usd:
-            self._child(self.spend, "spend", key, team_name, model_name).inc(
-                counts.cost_nano_usd / 1e9
-            )
+            spend.inc(counts.cost_nano_usd / 1e9)
+
+    def _usage_series(self, key_id: str, team: str | None, model: str) -> tuple[list[Any], Any]:
+        key, team_name = self.key_label(key_id), self.team_label(team)
+        model_name = self.model_label(model)
+        series = (
+            [
+                self.usage_tokens.labels(key, team_name, model_name, kind)
+                for kind, _ in USAGE_TOKEN_KINDS
+            ],
+            self.spend.labels(key, team_name, model_name),
+        )
+        if len(self._usage) < _CHILD_CACHE:
+            self._usage[(key_id, team, model)] = series
+        return series
 
     def model_label(self, model: str | None) -> str:
         if not model:
