@@ -3,11 +3,11 @@
 Per request the web layer's record (proxy/exchange.py) feeds the request families once the
 response is over (and the quota rejections, by the limit that refused); the compaction step
 feeds the compaction families with its Outcome; the usage meter feeds the per-key token and
-spend families as replies are accounted; the summarizer and its circuit breaker report
-through small hooks. Label values are bounded: routes are route templates, statuses are
-numbers, and model names beyond the first `MAX_MODELS` seen (per process) count as "other",
-so a client sending random model names cannot grow the series without limit; key ids and
-teams (the operator's names) likewise past `MAX_KEYS` and `MAX_TEAMS`.
+spend families at each flush of its batch (every 0.5 s); the summarizer and its circuit
+breaker report through small hooks. Label values are bounded: routes are route templates,
+statuses are numbers, and model names beyond the first `MAX_MODELS` seen (per process)
+count as "other", so a client sending random model names cannot grow the series without
+limit; key ids and teams (the operator's names) likewise past `MAX_KEYS` and `MAX_TEAMS`.
 
 `/metrics` answers anyone unless `server.metrics_token_env` names a token it then asks for.
 

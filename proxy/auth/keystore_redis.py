@@ -16,6 +16,8 @@ import contextlib
 import json
 from typing import Any
 
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.auth.keystore import AUDIT_CAP, Conflict, Kind, Record, StoreUnavailable
@@ -64,6 +66,9 @@ class RedisKeyStore:
     name = "redis"
 
     def __init__(self, client: RedisClient, key_prefix: str) -> None:
+        # A write is a compare-and-set: sent again after its reply was lost, it would fail
+        # as a conflict and the admin API would apply the change twice (two new secrets).
+        client.set_retry(Retry(NoBackoff(), 0))
         self.client = client
         base = f"{key_prefix}{{=keys}}"
         self.records_key = f"{base}:records"

@@ -197,10 +197,11 @@ class Ledger(Protocol):
         LedgerUnavailable when the backend cannot answer."""
         ...
 
-    def settle(self, reservation: Reservation, delta_nano: int) -> Awaitable[None]:
+    def settle(self, reservation: Reservation, delta_nano: int) -> Awaitable[None] | None:
         """Add `delta_nano` (the real price minus the reservation) to the spend the
-        reservation was added to, once per `reservation.token`. A backend that is not
-        `remote` has done it when this returns. Raises LedgerUnavailable."""
+        reservation was added to, once per `reservation.token`: done when this returns
+        (None; a backend that is not `remote`), or when the awaitable is. Raises
+        LedgerUnavailable."""
         ...
 
     async def peek(self, key_id: str, team: str | None, w: Windows) -> tuple[Counters, Counters]:

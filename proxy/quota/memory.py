@@ -3,9 +3,6 @@ bounded by keys x models x retained days (and end users per key and day, capped)
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
-
 from proxy.quota.ledger import (
     MAX_USERS_PER_DAY,
     OTHER_USER,
@@ -125,17 +122,12 @@ class MemoryLedger:
             c.count(tokens, reserve_nano)
             if t is not None:
                 t.count(tokens, reserve_nano)
-        team_counts = t.counters() if t is not None else Counters()
-        return Charge(denied, *c.counters(), *team_counts)
+        if t is None:
+            return Charge(denied, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
+        return Charge(denied, *c.counters(), *t.counters())
 
-    def settle(self, reservation: Reservation, delta_nano: int) -> Awaitable[None]:
+    def settle(self, reservation: Reservation, delta_nano: int) -> None:
         """Done when it returns (the next request sees it, with no task to wait for)."""
-        self._settle(reservation, delta_nano)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return done
-
-    def _settle(self, reservation: Reservation, delta_nano: int) -> None:
         if not delta_nano:
             return
         holders = [self._keys.get(reservation.key_id)]

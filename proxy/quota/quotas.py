@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import math
 import os
@@ -133,6 +134,9 @@ class Quotas:
         self.rejected = 0
         self._log = RateLimitedLog(log)
         self._settling: set[asyncio.Future[Charge]] = set()  # charges of requests given up
+        # Reservation tokens: random per process, then counted (unique across replicas).
+        self._token_prefix = os.urandom(9).hex()
+        self._tokens = itertools.count()
 
     def counts_tokens(self, key: ProxyKey | None) -> bool:
         """Does this key's quota need the request's prompt tokens (a token limit, or a
@@ -204,7 +208,7 @@ class Quotas:
                 reserve_nano=reserve_nano,
             )  # fmt: skip
             if reserve_nano:
-                token = os.urandom(12).hex()
+                token = f"{self._token_prefix}{next(self._tokens):x}"
                 reservation = Reservation(key.id, team, w.day, w.month, reserve_nano, token)
         try:
             if self.ledger.remote:

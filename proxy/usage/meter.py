@@ -71,7 +71,8 @@ _MODEL_CHARS = 100
 
 
 Entry = tuple[str, str | None, str, str, str]  # key id, team, model, day, end user ("" none)
-# Per key: its team, model and usage (the metrics hook, see `Meter.observer`).
+# The metrics hook (`Meter.observer`): at each flush, per key, team and model, the usage
+# accounted since the last (summed: a call per series and flush, not per reply).
 Observer = Callable[[str, str | None, str, UsageCounts], None]
 # A failed settlement is tried again at each flush for this long (less than the ledger keeps
 # its marker: proxy.quota.redis.SETTLE_TTL_S), then given up with a warning.
@@ -121,6 +122,7 @@ class Meter:
         self._writer = os.urandom(16).hex()  # this meter's half of every RecordId
         self._written = 0  # the last RecordId number given
         self.observer: Observer | None = None
+        self._observed: dict[tuple[str, str | None, str], UsageCounts] = {}  # for `observer`
         # Settlements whose write failed: (first tried at, reservation, delta), retried.
         self._unsettled: list[tuple[float, Reservation, int]] = []
         self.unsettled_dropped = 0
@@ -188,8 +190,10 @@ class Meter:
             if found is None
             else (found[0], found[1].plus(counts), found[2] + spend)
         )
-        if self.observer is not None:
-            self.observer(key_id, team, model, counts)
+        if self.observer is not None:  # told at the flush, summed: once per series a flush
+            seen = (key_id, team, model)
+            found_seen = self._observed.get(seen)
+            self._observed[seen] = counts if found_seen is None else found_seen.plus(counts)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
@@ -209,7 +213,9 @@ class Meter:
 
     async def _settle(self, reservation: Reservation, delta: int, since: float = 0.0) -> None:
         try:
-            await self.ledger.settle(reservation, delta)
+            pending = self.ledger.settle(reservation, delta)
+            if pending is not None:
+                await pending
         except LedgerUnavailable as exc:
             now = time.monotonic()
             if now - (since or now) >= SETTLE_RETRY_S or len(self._unsettled) >= MAX_UNSETTLED:
@@ -245,6 +251,10 @@ class Meter:
     async def flush(self) -> None:
         """Write the batch now (one ledger call per key, model and day), held rows first.
         After one failed write the rest are kept unsent: the ledger is down for them too."""
+        observed, self._observed = self._observed, {}
+        if self.observer is not None:
+            for (key_id, team, model), counts in observed.items():
+                self.observer(key_id, team, model, counts)
         unsettled, self._unsettled = self._unsettled, []
         for since, reservation, delta in unsettled:
             await self._settle(reservation, delta, since)

@@ -45,6 +45,7 @@ async def test_request_token_spend_and_rejection_metrics_carry_key_and_team(
     app.state.quotas.clock = lambda: 1_800_000_010.0
     for key in (KEY_A, KEY_A, KEY_B, KEY_B):
         await app.client.post("/v1/chat/completions", json=chat("gpt-4o-mini"), headers=bearer(key))
+    await app.state.meter.join()  # (token and spend series: at each flush of the usage batch)
     text = (await app.client.get("/metrics")).text
     requests = samples(text, "compaction_proxy_requests_total")
     chat_route = {("route", "/v1/chat/completions"), ("model", "gpt-4o-mini")}
