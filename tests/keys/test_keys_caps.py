@@ -326,3 +326,38 @@ async def test_a_teams_keys_and_counters_share_one_slot_on_a_cluster(
     }
     _, team = await ledger.peek("a", "platform", w)
     assert team.requests == 3 and team.spend_day_nano == round(3 * COST * 1e9)
+
+
+async def test_a_reservation_of_a_request_given_up_on_its_charges_way_is_given_back() -> None:
+    """The client leaves while its charge is on its way to Redis: the charge still lands
+    (and counts the request), and its reservation is released at once, not left counted."""
+    from proxy.auth.keys import Limits, ProxyKey
+    from proxy.quota import Quotas
+    from proxy.quota.ledger import Charge, Reservation
+
+    class Held:
+        name, errors, remote = "held", 0, True
+
+        def __init__(self) -> None:
+            self.asked = asyncio.Event()
+            self.answer: asyncio.Future[Charge] = asyncio.get_running_loop().create_future()
+
+        async def charge(self, *args: Any, **kwargs: Any) -> Charge:
+            self.asked.set()
+            return await self.answer
+
+    ledger = Held()
+    released: list[Reservation] = []
+    told: list[bool] = []
+    quotas = Quotas(ledger, release=released.append)  # type: ignore[arg-type]
+    key = ProxyKey("k", b"", limits=Limits(spend_usd_per_day=1.0))
+    waiting = asyncio.create_task(quotas.charge(key, 10, reserve_nano=5_000, given_up=told.append))
+    await ledger.asked.wait()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    ledger.answer.set_result(Charge(None, 1))
+    await until(lambda: bool(told))
+    assert told == [True]
+    [reservation] = released
+    assert (reservation.key_id, reservation.nano) == ("k", 5_000)
