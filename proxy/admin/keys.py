@@ -210,6 +210,14 @@ def _key_json(state: ProxyState, key_id: str) -> dict[str, Any] | None:
     return {**key.policy(), "in_force": True}
 
 
+def _with_secret(
+    state: ProxyState, key_id: str, secret: str, secret_id: str, status: int = 200
+) -> Response:
+    """The answer that shows a new secret: the only place it ever appears."""
+    body = {"object": "key", "key": _key_json(state, key_id), "secret": secret}
+    return JSONResponse({**body, "secret_id": secret_id}, status_code=status)
+
+
 # Routes.
 
 
@@ -265,13 +273,7 @@ async def create_key(request: Request) -> Response:
         return record, entry
 
     await _change(state, "key", key_id, create)
-    body = {
-        "object": "key",
-        "key": _key_json(state, key_id),
-        "secret": secret,
-        "secret_id": stored.id,
-    }
-    return JSONResponse(body, status_code=201)
+    return _with_secret(state, key_id, secret, stored.id, status=201)
 
 
 def _stored(snapshot: Snapshot, state: ProxyState, key_id: str) -> StoredKey | None:
@@ -333,13 +335,7 @@ async def rotate_key(request: Request) -> Response:
         return record, entry
 
     await _change(state, "key", key_id, rotate)
-    body = {
-        "object": "key",
-        "key": _key_json(state, key_id),
-        "secret": secret,
-        "secret_id": stored.id,
-    }
-    return JSONResponse(body)
+    return _with_secret(state, key_id, secret, stored.id)
 
 
 @_answer
