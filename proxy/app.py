@@ -16,10 +16,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from proxy.admin import admin_keys, admin_usage
+from proxy import admin
 from proxy.audit import AuditTrail
 from proxy.auth import Gate, KeySource
 from proxy.auth.keys_file import reload_on_sighup
+from proxy.auth.keystore import create_key_store
+from proxy.auth.metrics import KeysCollector
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
 from proxy.compress import compress
@@ -35,7 +37,7 @@ from proxy.quota.metrics import QuotaCollector
 from proxy.readiness import Readiness, readiness_for
 from proxy.redact import redact_url
 from proxy.responses import refuse_websocket, responses
-from proxy.settings import WORKER_SETTINGS_ENV, Settings, settings_from_json
+from proxy.settings import WORKER_SETTINGS_ENV, ConfigError, Settings, settings_from_json
 from proxy.startup import startup_fields
 from proxy.state import ProxyState
 from proxy.store import create_store
@@ -79,21 +81,35 @@ def create_app(
         transport = served = ServedTransport(upstream_limits(settings.upstream))
     client = create_upstream_client(settings.upstream, transport)
     store = create_store(settings.cache)
-    metrics = Metrics(store)
+    metrics = Metrics(store, token=_metrics_token(settings))
     ledger = create_ledger(settings)
     readiness = readiness_for(settings, client, store, lambda: counter.estimated, ledger)
+    pricing = Pricing(settings.pricing)
+    meter = Meter(settings, ledger, pricing)
+    meter.observer = metrics.usage_observed
+    quotas = Quotas(
+        ledger,
+        on_error=settings.quota.on_redis_error,
+        pricing=pricing,
+        summarizer_model=settings.compaction.summarizer.model,
+        reserve_completion_tokens=settings.quota.reserve_completion_tokens,
+        release=lambda reservation: meter.settle(reservation, 0),
+    )
+    source = KeySource(settings.auth, store=create_key_store(settings))
     state = ProxyState(
         settings=settings,
         upstream=Upstream(client, settings.upstream),
         counter=counter,
         compactor=Compactor(settings, counter, client, store, metrics),
-        gate=Gate(settings, KeySource(settings.auth)),
-        quotas=Quotas(ledger, on_error=settings.quota.on_redis_error),
-        meter=Meter(settings, ledger, Pricing(settings.pricing)),
+        gate=Gate(settings, source),
+        quotas=quotas,
+        meter=meter,
         turns=TurnMemo(settings.cache.turn_memo_bytes),
         audit=AuditTrail(settings, metrics.registry),
     )
     metrics.registry.register(QuotaCollector(state.quotas, state.meter))
+    metrics.registry.register(KeysCollector(source))
+    recent = admin.RecentCompactions()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -110,7 +126,8 @@ def create_app(
         if served is not None and served.served:
             connect = await preconnect(state, settings.server.warm_connect_s)
             probe = await start_probe(readiness, settings.server.warm_probe_s)
-        reload_on_sighup(state.gate.source)
+        reload_on_sighup(source)
+        await source.start()
         try:
             async with metrics.running():
                 yield
@@ -118,6 +135,7 @@ def create_app(
             for task in (probe, connect):
                 if task is not None:
                     task.cancel()
+            await source.close()
             await state.meter.join()
             if state.audit is not None:
                 await anyio.to_thread.run_sync(state.audit.close)
@@ -131,22 +149,37 @@ def create_app(
             Route("/healthz", healthz, methods=["GET", "HEAD"]),
             Route("/readyz", readyz, methods=["GET", "HEAD"]),
             Route("/metrics", metrics.endpoint, methods=["GET"]),
-            Route("/admin/usage", admin_usage, methods=["GET"]),
-            Route("/admin/keys", admin_keys, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/responses", responses, methods=["POST"]),
             WebSocketRoute("/v1/responses", refuse_websocket),
             Route("/v1/compress", compress, methods=["POST"]),
             Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
+            # After /v1: each route a request is matched against costs it ~6k instructions.
+            *admin.routes(),
             Route("/{path:path}", not_found, methods=ALL_METHODS),
         ],
-        middleware=[Middleware(ExchangeMiddleware, sinks=[AccessLog(), metrics])],
+        middleware=[Middleware(ExchangeMiddleware, sinks=[AccessLog(), metrics, recent])],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,
     )
     app.state.proxy = state
     app.state.readiness = readiness
+    app.state.metrics = metrics
+    # Where the admin page reads recent compactions (see proxy/admin/recent.py).
+    app.state.recent_compactions = recent.recent
     return app
+
+
+def _metrics_token(settings: Settings) -> str | None:
+    """The token /metrics asks for (`server.metrics_token_env`), read now: a named variable
+    that is not set fails the start, naming it."""
+    env = settings.server.metrics_token_env
+    if env is None:
+        return None
+    token = os.environ.get(env)
+    if not token:
+        raise ConfigError(f"server.metrics_token_env: environment variable {env} is not set")
+    return token
 
 
 def create_worker_app() -> Starlette:

@@ -20,7 +20,7 @@ from proxy.forwarding import compact_and_forward, compacts, key_control, parse_c
 from proxy.forwarding import reencode as reencode
 from proxy.jsonspans import Parsed
 from proxy.report import PASSTHROUGH
-from proxy.usage import ChatTap
+from proxy.usage import ChatTap, end_user
 from proxy.validation import discard_messages, parse_chat, read_body
 
 
@@ -48,8 +48,9 @@ async def chat_completions(request: Request) -> Response:
                 (body, content), hide_usage = asked, True
             # Accounted from here on, its summarizer calls as they answer (see unanswered).
             tap = exchange.usage = state.meter.tap(
-                caller.key.id, model, PASSTHROUGH, hide_usage=hide_usage, spend=Spend()
-            )
+                caller.key.id, model, PASSTHROUGH, hide_usage=hide_usage, spend=Spend(),
+                team=caller.key.team, user=end_user(body),
+            )  # fmt: skip
         chat = state.compactor.chat
         step = (exchange, "chat/completions", chat, body, content, caller, control, parsed)
         response, quota_headers = await exchange.guard(

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     from proxy.audit.command import register_commands as register_audit
 
     register_audit(commands)
+    from proxy.admin.command import register_commands as register_keys
+
+    register_keys(commands)
     return parser
 
 

@@ -30,9 +30,11 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proxy.auth import Caller, ProxyKey
+from proxy.auth.query import forwarded_query
 from proxy.disconnect import DisconnectWatch
 from proxy.errors import ProxyError
 from proxy.headers import REQUEST_ID, Headers, client_headers_of
+from proxy.quota.ledger import Reservation
 from proxy.quota.quotas import Verdict
 from proxy.report import PASSTHROUGH, Outcome
 from proxy.state import ProxyState
@@ -72,6 +74,8 @@ class Record:
     overhead_s: float | None = None  # arrival -> the upstream request went out
     duration_s: float | None = None  # arrival -> last byte sent (or the client left)
     key_id: str | None = None  # the proxy key that authorised the request, when keys are on
+    team: str | None = None  # that key's team
+    limit: str | None = None  # the quota limit that refused it (a 429), e.g. "spend_usd_per_day"
 
 
 _current: ContextVar[Record | None] = ContextVar("compaction_proxy_exchange", default=None)
@@ -93,6 +97,10 @@ class UsageTap(Protocol):
     def given_up(self, counted: bool) -> None:
         """Never let go upstream: one request if its quota charge `counted` it; else only
         what its compaction step's summarizer calls used."""
+        ...
+
+    def reserved(self, reservation: Reservation | None) -> None:
+        """The price the quota charge reserved, to settle when the request ends."""
         ...
 
 
@@ -201,6 +209,7 @@ class Exchange:
         """Who is calling (raises a 401 ProxyError with keys on and no known key)."""
         caller = self.caller = self.state.gate.admit(self.request.scope["headers"])
         self.record.key_id = caller.key_id
+        self.record.team = caller.team
         return caller
 
     def elapsed_ms(self) -> float:
@@ -236,20 +245,24 @@ class Exchange:
         caller = self.caller if self.caller is not None else self.admit()
         return caller.upstream_headers(self.client_headers, self.request_id)
 
-    async def charge(self, key: ProxyKey | None, tokens: int) -> Verdict:
-        """The request's quota verdict for `tokens` forwarded prompt tokens (see
-        Quotas.charge), kept for `unanswered`. Awaited before `open`: nothing goes upstream
-        before the quota has said yes. Given up while the verdict is on its way, the charge
-        is settled all the same and `usage` is told whether it counted the request."""
+    async def charge(self, key: ProxyKey | None, tokens: int, cost: int = 0) -> Verdict:
+        """The request's quota verdict for `tokens` forwarded prompt tokens, reserving `cost`
+        nano-dollars of spend (see Quotas.charge), kept for `unanswered`. Awaited before
+        `open`: nothing goes upstream before the quota has said yes. Given up while the
+        verdict is on its way, the charge is settled all the same and `usage` is told
+        whether it counted the request."""
         usage = self.usage
         try:
             verdict = await self.state.quotas.charge(
-                key, tokens, given_up=None if usage is None else usage.given_up
+                key, tokens, reserve_nano=cost, given_up=None if usage is None else usage.given_up
             )
         except asyncio.CancelledError:
             self._settling = True
             raise
         self.verdict = verdict
+        self.record.limit = verdict.limit
+        if usage is not None and verdict.reservation is not None:
+            usage.reserved(verdict.reservation)
         return verdict
 
     async def open(
@@ -265,12 +278,11 @@ class Exchange:
         self._opened = True
         sent = time.perf_counter()
         record.overhead_s = sent - record.started
+        query = self.request.scope.get("query_string", b"")
+        if self.caller is not None and self.caller.key is not None:
+            query = forwarded_query(query)  # no proxy key in a forwarded query string
         response = await self.state.upstream.open(
-            method,
-            path,
-            headers=headers,
-            content=content,
-            query=self.request.scope.get("query_string", b""),
+            method, path, headers=headers, content=content, query=query
         )
         record.upstream_status = response.status_code
         record.upstream_ttfb_s = time.perf_counter() - sent

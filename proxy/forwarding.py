@@ -71,7 +71,8 @@ async def compact_and_forward(
         tokens = await api.counter.acount_request(body)
     if tap is not None:
         tap.outcome = outcome
-    verdict = await exchange.charge(caller.key, tokens or 0)
+    reserve = state.quotas.estimate(caller.key, body, tokens or 0, outcome.usage)
+    verdict = await exchange.charge(caller.key, tokens or 0, reserve)
     if verdict.refusal is not None:
         raise verdict.refusal
     if outcome.messages is not None:

@@ -212,6 +212,8 @@ def access_fields(record: Record) -> dict[str, object]:
         "duration_ms": None if duration is None else round(duration * 1000, 2),
         "client": record.client,
         "key_id": record.key_id,
+        "team": record.team,
+        "limit": record.limit,  # the quota limit that refused it (429)
     }
 
 

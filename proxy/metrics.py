@@ -1,11 +1,15 @@
 """Prometheus metrics: one registry per app, or shared files across `serve --workers N`.
 
 Per request the web layer's record (proxy/exchange.py) feeds the request families once the
-response is over; the compaction step feeds the compaction families with its Outcome; the
-summarizer and its circuit breaker report through small hooks. Label values are bounded:
-routes are route templates, statuses are numbers, and model names beyond the first
-`MAX_MODELS` seen (per process) count as "other", so a client sending random model names
-cannot grow the series without limit.
+response is over (and the quota rejections, by the limit that refused); the compaction step
+feeds the compaction families with its Outcome; the usage meter feeds the per-key token and
+spend families at each flush of its batch (every 0.5 s); the summarizer and its circuit
+breaker report through small hooks. Label values are bounded: routes are route templates,
+statuses are numbers, and model names beyond the first `MAX_MODELS` seen (per process)
+count as "other", so a client sending random model names cannot grow the series without
+limit; key ids and teams (the operator's names) likewise past `MAX_KEYS` and `MAX_TEAMS`.
+
+`/metrics` answers anyone unless `server.metrics_token_env` names a token it then asks for.
 
 With several worker processes (`PROMETHEUS_MULTIPROC_DIR` set before prometheus_client is
 first imported, as `serve --workers` does), every process writes its values to files in that
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,6 +41,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.errors import ProxyError
+from proxy.quota.ledger import UsageCounts
 from proxy.report import Outcome
 from proxy.store import SummaryStore
 
@@ -44,6 +51,18 @@ if TYPE_CHECKING:
 
 _Mode = Literal["livesum", "all"]
 MAX_MODELS = 50
+MAX_KEYS = 500
+MAX_TEAMS = 100
+# The usage meter's counts behind each `kind` of compaction_proxy_usage_tokens_total.
+USAGE_TOKEN_KINDS = (
+    ("prompt_sent", "prompt_tokens_sent"),
+    ("prompt_forwarded", "prompt_tokens_forwarded"),
+    ("prompt_cached", "cached_prompt_tokens"),
+    ("completion", "completion_tokens"),
+    ("saved", "tokens_saved"),
+    ("summarizer_prompt", "summarizer_prompt_tokens"),
+    ("summarizer_completion", "summarizer_completion_tokens"),
+)
 _CHILD_CACHE = 4096  # labelled series kept at hand (client model names can be anything)
 _MODEL_CHARS = 64
 _PREFIX = "compaction_proxy_"
@@ -58,18 +77,43 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def _bounded(value: str | None, seen: set[str], limit: int) -> str:
+    """`value` as a label: "" for none, "other" past the first `limit` distinct ones."""
+    if not value:
+        return ""
+    value = value[:_MODEL_CHARS]
+    if value in seen:
+        return value
+    if len(seen) < limit:
+        seen.add(value)
+        return value
+    return "other"
+
+
+def _bearer_is(request: Request, token: str) -> bool:
+    scheme, _, presented = request.headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        presented.strip().encode("utf-8", "surrogatepass"), token.encode("utf-8")
+    )
+
+
 class Metrics:
     """Every family the proxy exports (README "Metrics" lists them with their labels)."""
 
-    def __init__(self, store: SummaryStore) -> None:
+    def __init__(self, store: SummaryStore, token: str | None = None) -> None:
         self.store = store
+        self.token = token  # what /metrics asks for (Authorization: Bearer), None: nothing
         self.multiprocess = multiprocess_dir() is not None
         self.registry = CollectorRegistry()
         if not self.multiprocess:
             ProcessCollector(registry=self.registry)
             PlatformCollector(registry=self.registry)
         self._models: set[str] = set()
-        self._requests: dict[tuple[str, int | None, str | None], Any] = {}
+        self._keys: set[str] = set()
+        self._teams: set[str] = set()
+        self._requests: dict[tuple[str, int | None, str | None, str | None, str | None], Any] = {}
+        # (key id, team, model) -> the usage token series by kind, and the spend series
+        self._usage: dict[tuple[str, str | None, str], tuple[list[Any], Any]] = {}
         self._by_route: dict[str, tuple[Any, Any, Any]] = {}
         self._children: dict[tuple[str, ...], Any] = {}  # other labelled series, by family
         self._store_errors_seen = 0
@@ -87,8 +131,28 @@ class Metrics:
             return Gauge(_PREFIX + name, doc, labels, registry=r, multiprocess_mode=mode)
 
         self.requests = counter(
-            "requests", "Requests answered, by route, status sent and model.",
-            ("route", "status", "model"),
+            "requests",
+            "Requests answered, by route, status sent, model, and the proxy key and team.",
+            ("route", "status", "model", "key_id", "team"),
+        )  # fmt: skip
+        self.rejected = counter(
+            "quota_rejected",
+            "Requests refused over a quota (429; 503 quota_unavailable when failing closed), "
+            "by key, team and the limit that refused (team_...: the team's).",
+            ("key_id", "team", "reason"),
+        )  # fmt: skip
+        self.spend = counter(
+            "spend_usd",
+            "Dollars spent through the proxy (replies and summarizer calls, at the pricing "
+            "table's prices), by key, team and model.",
+            ("key_id", "team", "model"),
+        )  # fmt: skip
+        self.usage_tokens = counter(
+            "usage_tokens",
+            "Tokens of keyed requests by key, team, model and kind: prompt_sent (before "
+            "compaction), prompt_forwarded, prompt_cached, completion, saved (by compaction), "
+            "summarizer_prompt, summarizer_completion.",
+            ("key_id", "team", "model", "kind"),
         )  # fmt: skip
         self.overhead = histogram(
             "overhead_seconds",
@@ -184,14 +248,22 @@ class Metrics:
         self.in_flight.dec()
         if record.stream and record.status is not None:
             self.in_flight_streams.dec()
-        key = (route, record.status, record.model)
+        key = (route, record.status, record.model, record.key_id, record.team)
         requests = self._requests.get(key)
         if requests is None:  # labels() validates its arguments: once per series, not per call
             status = str(record.status) if record.status is not None else "none"
-            requests = self.requests.labels(route, status, self.model_label(record.model))
+            requests = self.requests.labels(
+                route, status, self.model_label(record.model), self.key_label(record.key_id),
+                self.team_label(record.team),
+            )  # fmt: skip
             if len(self._requests) < _CHILD_CACHE:
                 self._requests[key] = requests
         requests.inc()
+        if record.limit is not None:
+            self._child(
+                self.rejected, "rejected", self.key_label(record.key_id),
+                self.team_label(record.team), record.limit,
+            ).inc()  # fmt: skip
         histograms = self._by_route.get(route)
         if histograms is None:
             histograms = self._route_histograms(route)
@@ -237,6 +309,41 @@ class Metrics:
             if len(self._children) < _CHILD_CACHE:
                 self._children[key] = child
         return child
+
+    def key_label(self, key_id: str | None) -> str:
+        return _bounded(key_id, self._keys, MAX_KEYS)
+
+    def team_label(self, team: str | None) -> str:
+        return _bounded(team, self._teams, MAX_TEAMS)
+
+    def usage_observed(
+        self, key_id: str, team: str | None, model: str, counts: UsageCounts
+    ) -> None:
+        """A keyed reply's usage, as the meter accounts it (see Meter.observer)."""
+        series = self._usage.get((key_id, team, model))
+        if series is None:
+            series = self._usage_series(key_id, team, model)
+        tokens, spend = series
+        for child, (_, field) in zip(tokens, USAGE_TOKEN_KINDS, strict=True):
+            amount = getattr(counts, field)
+            if amount:
+                child.inc(amount)
+        if counts.cost_nano_usd:
+            spend.inc(counts.cost_nano_usd / 1e9)
+
+    def _usage_series(self, key_id: str, team: str | None, model: str) -> tuple[list[Any], Any]:
+        key, team_name = self.key_label(key_id), self.team_label(team)
+        model_name = self.model_label(model)
+        series = (
+            [
+                self.usage_tokens.labels(key, team_name, model_name, kind)
+                for kind, _ in USAGE_TOKEN_KINDS
+            ],
+            self.spend.labels(key, team_name, model_name),
+        )
+        if len(self._usage) < _CHILD_CACHE:
+            self._usage[(key_id, team, model)] = series
+        return series
 
     def model_label(self, model: str | None) -> str:
         if not model:
@@ -324,6 +431,13 @@ class Metrics:
             self.refresh_process()
 
     async def endpoint(self, request: Request) -> Response:
+        if self.token is not None and not _bearer_is(request, self.token):
+            return ProxyError(
+                401,
+                "/metrics needs the metrics token (Authorization: Bearer <token>; see "
+                "server.metrics_token_env).",
+                code="invalid_api_key",
+            ).response()
         registry: Any = self.registry
         if self.multiprocess:
             registry = CollectorRegistry()

@@ -45,7 +45,7 @@ async def passthrough(request: Request) -> Response:
                 check_model(caller.key, model)
                 if model and request.method == "POST":  # a billed call: embeddings, responses...
                     tap = exchange.usage = exchange.state.meter.tap(
-                        caller.key.id, model, PASSTHROUGH, hide_usage=False
+                        caller.key.id, model, PASSTHROUGH, hide_usage=False, team=caller.key.team
                     )
         elif length is not None or chunked:
             upload = Upload(request)
@@ -55,7 +55,8 @@ async def passthrough(request: Request) -> Response:
                 headers.append(("content-length", length))
 
         async def charge_and_send() -> tuple[httpx.Response, Mapping[str, str]]:
-            verdict = await exchange.charge(caller.key, 0)
+            reserve = exchange.state.quotas.estimate_content(caller.key, content)
+            verdict = await exchange.charge(caller.key, 0, reserve)
             if verdict.refusal is not None:
                 raise verdict.refusal
             response = await exchange.open(request.method, path, headers=headers, content=content)

@@ -6,6 +6,7 @@ One pydantic model per TOML section, so a bad value fails at start with the key'
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import difflib
 import json
 import os
@@ -85,6 +86,9 @@ class ServerSettings(Section):
     # On SIGTERM/SIGINT: stop accepting, let requests in flight (streams included) finish for
     # up to this many seconds, then close what is left.
     drain_timeout_s: float = Field(30.0, ge=0)
+    # Name of the env var holding a token /metrics then asks for (Authorization: Bearer
+    # <token>); unset: /metrics answers anyone who can connect.
+    metrics_token_env: str | None = None
 
 
 class UpstreamSettings(Section):
@@ -270,16 +274,25 @@ class CacheSettings(Section):
 
 
 ENV_PREFIX = "COMPACTION_PROXY_"
-_KEY_ID = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}$"
+KEY_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}$"
 
 
-class KeySettings(Section):
-    """One proxy key: who it is, what it may use, how it is compacted, how much it may spend."""
+class LimitSettings(Section):
+    """Quotas (unset: unlimited), of a key or of a team (then shared by all its keys)."""
 
-    id: str = Field(pattern=_KEY_ID)
-    # The key itself: its sha256 hex digest, or the name of an env var holding it.
-    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
-    key_env: str | None = None
+    requests_per_minute: int | None = Field(None, gt=0)
+    prompt_tokens_per_minute: int | None = Field(None, gt=0)
+    prompt_tokens_per_day: int | None = Field(None, gt=0)
+    spend_usd_per_day: float | None = Field(None, gt=0)
+    spend_usd_per_month: float | None = Field(None, gt=0)
+
+
+class PolicySettings(LimitSettings):
+    """What a key may do: everything about a key but its material."""
+
+    # The team the key belongs to: the team's quotas apply to all its keys together, and
+    # usage and metrics carry it.
+    team: str | None = Field(None, pattern=KEY_ID_PATTERN)
     # Env var holding this key's own upstream credential (else upstream.api_key).
     upstream_api_key_env: str | None = None
     allowed_models: list[str] = ["*"]
@@ -288,11 +301,20 @@ class KeySettings(Section):
     strategy: str | None = None
     # The audit trail for this key's requests: true/false overrides [audit] enabled.
     audit: bool | None = None
-    requests_per_minute: int | None = Field(None, gt=0)
-    prompt_tokens_per_minute: int | None = Field(None, gt=0)
-    prompt_tokens_per_day: int | None = Field(None, gt=0)
-    spend_usd_per_day: float | None = Field(None, gt=0)
-    spend_usd_per_month: float | None = Field(None, gt=0)
+
+
+class KeySettings(PolicySettings):
+    """One proxy key: who it is, what it may use, how it is compacted, how much it may spend.
+
+    Two entries with the same `id` and the same policy are one key with two secrets (a
+    rotation: old and new overlap until the old entry goes, or `expires_at` passes)."""
+
+    id: str = Field(pattern=KEY_ID_PATTERN)
+    # The key itself: its sha256 hex digest, or the name of an env var holding it.
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    key_env: str | None = None
+    # After this moment (ISO 8601; UTC unless it says) the key is refused.
+    expires_at: dt.datetime | None = None
 
     @model_validator(mode="after")
     def _one_key_source(self) -> KeySettings:
@@ -309,6 +331,21 @@ class AuthSettings(Section):
     reload_interval_s: float = Field(1.0, gt=0)
     # Serve a non-loopback address with upstream.api_key set and no keys (anyone may spend).
     allow_anonymous: bool = False
+    # Team quotas, by team name (`team = "..."` on keys): shared by all the team's keys.
+    teams: dict[str, LimitSettings] = {}
+    # The key lifecycle API (POST /admin/keys ...): keys made through it live in Redis when
+    # the quota backend is Redis, else in api_keys_file. On: every /v1 request needs a key.
+    api_keys: bool = False
+    # Where API-made keys live without Redis: a JSON file the proxy owns (hashes only).
+    api_keys_file: str | None = None
+
+    @field_validator("teams")
+    @classmethod
+    def _check_team_names(cls, value: dict[str, LimitSettings]) -> dict[str, LimitSettings]:
+        for name in value:
+            if re.match(KEY_ID_PATTERN, name) is None:
+                raise ValueError(f"team name {name!r}: letters, digits and _.:@- only")
+        return value
 
 
 class AdminSettings(Section):
@@ -330,6 +367,10 @@ class QuotaSettings(Section):
     usage_retention_days: int = Field(400, gt=0)
     # Ask the upstream for stream_options.include_usage (and hide it again) to count streams.
     request_stream_usage: bool = True
+    # Spend caps reserve each request's price before it goes upstream: its prompt, plus at
+    # most this many completion tokens when the request sets no max_completion_tokens /
+    # max_tokens / max_output_tokens. Settled with the upstream's usage when it ends.
+    reserve_completion_tokens: int = Field(4096, ge=0)
 
 
 class AuditSettings(Section):

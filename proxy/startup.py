@@ -32,6 +32,10 @@ def startup_fields(settings: Settings) -> dict[str, str | int]:
         fields["model_budgets"] = len(compaction.models)
     if settings.auth.keys_file:
         fields["keys_file"] = settings.auth.keys_file
+    if settings.auth.api_keys:
+        fields["api_keys"] = "redis" if quota_backend(settings) == "redis" else "file"
+    if settings.auth.teams:
+        fields["teams"] = len(settings.auth.teams)
     fields["store"] = cache.backend
     if cache.backend == "redis":
         fields["store_url"] = _where(cache.redis_url)
@@ -41,6 +45,7 @@ def startup_fields(settings: Settings) -> dict[str, str | int]:
         fields["quota_on_redis_error"] = quota.on_redis_error
     fields["upstream_api_key"] = "set" if settings.upstream.api_key is not None else "unset"
     fields["admin"] = f"on ({settings.admin.token_env})" if settings.admin.token_env else "off"
+    fields["metrics_token"] = "on" if settings.server.metrics_token_env else "off"
     fields["workers"] = settings.server.workers
     return fields
 

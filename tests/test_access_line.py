@@ -54,6 +54,8 @@ def records(draw: st.DrawFn) -> Record:
         upstream_ttfb_s=draw(seconds),
         duration_s=draw(seconds),
         key_id=draw(maybe_texts),
+        team=draw(maybe_texts),
+        limit=draw(maybe_texts),
     )
 
 

@@ -26,7 +26,8 @@ from tests.upstream_fakes import FakeUpstream
 ACCESS_FIELDS = {
     "time", "level", "logger", "message", "request_id", "method", "path", "route", "status",
     "model", "stream", "tokens_before", "tokens_after", "compaction", "compaction_reason",
-    "cache", "upstream_status", "upstream_ttfb_ms", "duration_ms", "client", "key_id",
+    "cache", "upstream_status", "upstream_ttfb_ms", "duration_ms", "client", "key_id", "team",
+    "limit",
 }  # fmt: skip
 
 Lines = Callable[[], list[dict[str, Any]]]

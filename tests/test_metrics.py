@@ -31,7 +31,10 @@ def parse(text: str) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """The sum of the samples of `name` whose labels include `labels` (a family's other
+    labels, such as key_id and team on the request counts, summed over)."""
+    wanted = frozenset(labels.items())
+    return sum(v for (n, found), v in samples.items() if n == name and wanted <= found)
 
 
 async def open_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from proxy.auth.keys import KeyRing, ProxyKey, presented_digest
-from proxy.auth.keys_file import KeySource
-from proxy.auth.policy import authenticate
+from proxy.auth.policy import authenticate, expired
+from proxy.auth.source import KeySource
 from proxy.headers import (
     Headers,
     credential_of,
@@ -34,6 +34,8 @@ class Caller:
     # The summary store's scope when it follows the key (see Gate.scope); made once per key.
     key_scope: str | None = None
     key_id: str | None = None  # `key.id`, read on every request
+    team: str | None = None  # `key.team`
+    expires_at: float | None = None  # when the secret presented stops working (unix time)
 
     def upstream_headers(self, client_headers: Headers, request_id: str) -> Headers:
         return upstream_request_headers(
@@ -79,25 +81,33 @@ class Gate:
         source = self.source
         if not source.configured:
             return self._anonymous
-        if source.path is not None:  # keys from a file: it may have changed
-            source.maybe_reload()
+        if source.watched:  # a keys file or the key store: changes apply before judging
+            source.check()
         digest = presented_digest(raw_headers)
         if digest is not None and source.ring is self._ring:
             caller = self._by_digest.get(digest)
             if caller is not None:
+                if caller.expires_at is not None and source.wall() >= caller.expires_at:
+                    assert caller.key is not None
+                    raise expired(caller.key)
                 return caller
         return self._first(source.ring, digest)
 
     def _first(self, ring: KeyRing, digest: bytes | None) -> Caller:
-        """The caller of a key not seen with this ring yet (its first request since start or
-        since a reload: a reloaded key gets a new caller), or a 401 (no key, an unknown one)."""
+        """The caller of a secret not seen with this ring yet (its first request since start
+        or since a reload: a reloaded key gets a new caller), or a 401 (no key, an unknown
+        or expired one)."""
         if ring is not self._ring:
             self._ring, self._by_digest = ring, {}
-        key = authenticate(ring, digest)
+        source = self.source
+        key, expires = authenticate(ring, digest, now=source.wall(), store_ready=source.store_ready)
+        assert digest is not None
         upstream = key.upstream_api_key or self._upstream_key
         scope = scope_for(None, self.settings.cache.scope, key_id=key.id)
-        caller = Caller(key, upstream, self._summarizer_key or upstream, scope, key.id)
-        self._by_digest[key.digest] = caller
+        caller = Caller(
+            key, upstream, self._summarizer_key or upstream, scope, key.id, key.team, expires
+        )
+        self._by_digest[digest] = caller
         return caller
 
     def scope(self, caller: Caller, client_headers: Headers) -> str | None:

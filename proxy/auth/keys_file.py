@@ -1,9 +1,10 @@
-"""Keys that rotate without a restart: `auth.keys_file`, re-read on change or on SIGHUP.
+"""`auth.keys_file`: more keys (and teams) in a file an operator's tooling rewrites.
 
-The request path only reads `KeySource.ring`. At most every `reload_interval_s` it also asks
-`maybe_reload()`, which starts a background check (stat, and a re-read only if the file
-changed) and returns at once: the request goes on with the ring it has. A file that fails to
-parse or validate keeps the previous ring, with a warning, so a typo never locks everyone out.
+TOML or JSON (by the `.json` suffix), with the fields of `[[auth.keys]]`. Written as in the
+config (`[[auth.keys]]`, `[auth.teams.<name>]`) or without the `auth` table (`[[keys]]`,
+`[teams.<name>]`); JSON may also be a bare list of keys. Anything else at the top level, or
+both spellings at once, is refused with a line saying so, as is a file without any key: an
+empty file is far more often a failed deploy than an intent to lock everyone out.
 """
 
 from __future__ import annotations
@@ -12,24 +13,35 @@ import asyncio
 import json
 import logging
 import signal
-import time
 import tomllib
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from proxy.auth.keys import KeyRing, build_ring
-from proxy.settings import AuthSettings, ConfigError, KeySettings, format_validation_error
+from proxy.settings import ConfigError, KeySettings, LimitSettings, format_validation_error
 
 log = logging.getLogger("proxy.auth")
 
-_ENTRIES = TypeAdapter(list[KeySettings])
 
 
-def read_keys_file(path: Path) -> list[KeySettings]:
-    """`keys = [...]` / `[[keys]]` in TOML, or a JSON list or `{"keys": [...]}`."""
+class _Tables(BaseModel):
+    """What the file holds, validated together so an error names its place (keys.0.id)."""
+
+    keys: list[KeySettings]
+    teams: dict[str, LimitSettings]
+
+
+@dataclass(frozen=True)
+class KeysFile:
+    keys: list[KeySettings]
+    teams: dict[str, LimitSettings]
+
+
+def read_keys_file(path: Path) -> KeysFile:
+    """The file's keys and teams. Raises ConfigError (one line) when it cannot be read,
+    does not parse, has the wrong shape, or holds no key."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -39,15 +51,51 @@ def read_keys_file(path: Path) -> list[KeySettings]:
         data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"auth.keys_file {path} does not parse: {exc}") from None
-    if isinstance(data, dict):
-        data = data.get("keys", [])
+    keys, teams = _tables(data, path)
     try:
-        return _ENTRIES.validate_python(data)
+        tables = _Tables.model_validate({"keys": keys, "teams": teams})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, f"(in {path})")) from None
+    entries, team_limits = tables.keys, tables.teams
+    if not entries:
+        raise ConfigError(
+            f"auth.keys_file {path} holds no keys (expected [[keys]] or [[auth.keys]] "
+            "tables, or a JSON list of keys): not applied"
+        )
+    return KeysFile(entries, team_limits)
 
 
-def _signature(path: Path) -> tuple[int, int, int] | None:
+def _tables(data: Any, path: Path) -> tuple[Any, Any]:
+    """(keys, teams) of a parsed file, either spelling."""
+    if isinstance(data, list):
+        return data, {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"auth.keys_file {path}: expected a table of keys, not {data!r:.40}")
+    unknown = sorted(set(data) - {"keys", "teams", "auth"})
+    if unknown:
+        raise ConfigError(
+            f"auth.keys_file {path}: unknown key {unknown[0]!r} (expected [[keys]] and "
+            "[teams.<name>], or [[auth.keys]] and [auth.teams.<name>])"
+        )
+    auth = data.get("auth", {})
+    if not isinstance(auth, dict):
+        raise ConfigError(f"auth.keys_file {path}: 'auth' must be a table")
+    extra = sorted(set(auth) - {"keys", "teams"})
+    if extra:
+        raise ConfigError(
+            f"auth.keys_file {path}: auth.{extra[0]} belongs in the proxy's config, not in "
+            "the keys file (which holds auth.keys and auth.teams only)"
+        )
+    for name in ("keys", "teams"):
+        if name in data and name in auth:
+            raise ConfigError(
+                f"auth.keys_file {path}: both [[{name}]] and [[auth.{name}]]: use one spelling"
+            )
+    return data.get("keys", auth.get("keys", [])), data.get("teams", auth.get("teams", {}))
+
+
+def file_signature(path: Path) -> tuple[int, int, int] | None:
+    """What changes when the file is rewritten (mtime, size, inode); None: unreadable."""
     try:
         st = path.stat()
     except OSError:
@@ -55,70 +103,13 @@ def _signature(path: Path) -> tuple[int, int, int] | None:
     return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
-class KeySource:
-    """The current ring: `auth.keys` plus the keys file. `clock` is injectable for tests."""
+class Reloadable(Protocol):
+    path: Path | None
 
-    def __init__(
-        self,
-        settings: AuthSettings,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._settings = settings
-        self._clock = clock
-        self.path = Path(settings.keys_file) if settings.keys_file else None
-        self._signature = None if self.path is None else _signature(self.path)
-        self._next_check = clock() + settings.reload_interval_s
-        self._task: asyncio.Task[None] | None = None
-        self.generation = 1  # bumped on every successful reload
-        self.ring = self._load()  # at start, errors are fatal (ConfigError)
-        # Keys are in use (from config or a keys file): every /v1 request must carry one.
-        self.configured: bool = bool(settings.keys) or self.path is not None
-
-    def _load(self) -> KeyRing:
-        entries = [(f"auth.keys[{i}]", k) for i, k in enumerate(self._settings.keys)]
-        if self.path is not None:
-            entries += [
-                (f"auth.keys_file[{i}]", k) for i, k in enumerate(read_keys_file(self.path))
-            ]
-        return build_ring(entries)
-
-    def maybe_reload(self) -> None:
-        """Called on the request path: starts a background check when one is due."""
-        if self.path is None or self._clock() < self._next_check:
-            return
-        self.request_reload(force=False)
-
-    def request_reload(self, *, force: bool = True) -> None:
-        """Check the file now (SIGHUP: `force` re-reads even if it looks unchanged)."""
-        if self.path is None or (self._task is not None and not self._task.done()):
-            return
-        self._next_check = self._clock() + self._settings.reload_interval_s
-        self._task = asyncio.get_running_loop().create_task(self._reload(force))
-
-    async def _reload(self, force: bool) -> None:
-        assert self.path is not None
-        signature = await asyncio.to_thread(_signature, self.path)
-        if not force and signature == self._signature:
-            return
-        try:
-            ring = await asyncio.to_thread(self._load)
-        except ConfigError as exc:
-            log.warning("keys file not reloaded, keeping the previous keys: %s", exc)
-            self._signature = signature  # don't warn again until it changes
-            return
-        self._signature = signature
-        self.ring = ring
-        self.generation += 1
-        log.info("keys reloaded from %s: %d key(s)", self.path, len(ring))
-
-    async def wait_reloaded(self) -> None:
-        """Wait for a reload in progress (tests, shutdown)."""
-        if self._task is not None:
-            await asyncio.shield(self._task)
+    def request_reload(self, *, force: bool = True) -> None: ...
 
 
-def reload_on_sighup(source: KeySource) -> None:
+def reload_on_sighup(source: Reloadable) -> None:
     """`kill -HUP <pid>` re-reads the keys file (main thread with a running loop only)."""
     if source.path is None:
         return

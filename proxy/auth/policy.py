@@ -9,9 +9,13 @@ from proxy.errors import ProxyError
 from proxy.settings import Settings
 
 
-def authenticate(ring: KeyRing, digest: bytes | None) -> ProxyKey:
-    """The key whose digest the client presents (`presented_digest`, None: no key), or 401
-    in OpenAI's shape (the SDK's AuthenticationError)."""
+def authenticate(
+    ring: KeyRing, digest: bytes | None, *, now: float = 0.0, store_ready: bool = True
+) -> tuple[ProxyKey, float | None]:
+    """(the key whose digest the client presents, when that secret expires), or 401 in
+    OpenAI's shape (the SDK's AuthenticationError) for no key (`digest` None), an unknown or
+    an expired one. A key the ring does not know while the key store has not answered yet
+    gets 503 instead: it may well be valid."""
     if digest is None:
         raise ProxyError(
             401,
@@ -19,14 +23,34 @@ def authenticate(ring: KeyRing, digest: bytes | None) -> ProxyKey:
             "(or an 'api-key' header).",
             code="invalid_api_key",
         )
-    key = ring.by_digest(digest)
-    if key is None:
+    found = ring.by_digest(digest)
+    if found is None:
+        if not store_ready:
+            raise ProxyError(
+                503,
+                "The proxy cannot check this key yet: its key store has not answered. "
+                "Try again shortly.",
+                type="server_error",
+                code="keys_unavailable",
+                headers={"retry-after": "1"},
+            )
         raise ProxyError(
             401,
             "Incorrect API key provided: this proxy does not know the key you sent.",
             code="invalid_api_key",
         )
-    return key
+    expires = found[1]
+    if expires is not None and now >= expires:
+        raise expired(found[0])
+    return found
+
+
+def expired(key: ProxyKey) -> ProxyError:
+    return ProxyError(
+        401,
+        f"The key you sent for {key.id!r} has expired (it was rotated); use its new secret.",
+        code="invalid_api_key",
+    )
 
 
 def check_model(key: ProxyKey, model: str) -> None:

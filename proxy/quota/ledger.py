@@ -17,7 +17,11 @@ from typing import Literal, NamedTuple, Protocol
 from proxy.auth.keys import Limits
 from proxy.quota.windows import Windows
 
-Denial = Literal["requests", "tokens_minute", "tokens_day", "spend_day", "spend_month"]
+Denial = Literal[
+    "requests", "tokens_minute", "tokens_day", "spend_day", "spend_month",
+    "team_requests", "team_tokens_minute", "team_tokens_day", "team_spend_day",
+    "team_spend_month",
+]  # fmt: skip
 
 NANO = 1_000_000_000  # dollars are stored as integer nano-dollars, so cheap requests add up
 
@@ -67,8 +71,20 @@ class UsageCounts(NamedTuple):
 USAGE_FIELDS = UsageCounts._fields
 
 
+class Counters(NamedTuple):
+    """One holder's (a key's or a team's) quota counters in the current windows. Spend is
+    what finished requests cost plus what requests in flight reserved."""
+
+    requests: int = 0
+    tokens_minute: int = 0
+    tokens_day: int = 0
+    spend_day_nano: int = 0
+    spend_month_nano: int = 0
+
+
 class Charge(NamedTuple):
-    """A key's counters after one charge's check (incremented only when `denied is None`)."""
+    """A key's counters (and its team's) after one charge's check (incremented only when
+    `denied is None`)."""
 
     denied: Denial | None
     requests: int = 0
@@ -76,6 +92,27 @@ class Charge(NamedTuple):
     tokens_day: int = 0
     spend_day_nano: int = 0
     spend_month_nano: int = 0
+    team_requests: int = 0
+    team_tokens_minute: int = 0
+    team_tokens_day: int = 0
+    team_spend_day_nano: int = 0
+    team_spend_month_nano: int = 0
+
+    def counters(self, team: bool = False) -> Counters:
+        return Counters._make(self[6:11] if team else self[1:6])
+
+
+class Reservation(NamedTuple):
+    """A request's estimated price, added to its key's (and team's) spend when it was
+    admitted; settled (`Ledger.settle`) with the real price when the request ends. `token`
+    makes the settlement count once, however often it is sent."""
+
+    key_id: str
+    team: str | None
+    day: str
+    month: str
+    nano: int
+    token: str
 
 
 @dataclass(frozen=True)
@@ -104,18 +141,34 @@ class LimitArgs:
 
 @dataclass
 class UsageRow:
-    """One key's usage of one model on one UTC day ("YYYY-MM-DD")."""
+    """One key's usage of one model on one UTC day ("YYYY-MM-DD"), or (`user` set, `model`
+    "") of one end user's requests through the key that day."""
 
     key: str
     model: str
     day: str
     counts: UsageCounts
+    team: str | None = None
+    user: str | None = None
 
     def as_json(self) -> dict[str, object]:
         counts: dict[str, object] = self.counts._asdict()
         cost = self.counts.cost_nano_usd / NANO
         del counts["cost_nano_usd"]
-        return {"key": self.key, "model": self.model, "day": self.day, **counts, "cost_usd": cost}
+        row: dict[str, object] = {"key": self.key, "team": self.team}
+        if self.user is not None:
+            row["user"] = self.user
+        return {**row, "model": self.model, "day": self.day, **counts, "cost_usd": cost}
+
+
+# The fields kept per end user (a smaller row: one per user, key and day, all models).
+USER_FIELDS = (
+    "requests", "prompt_tokens_sent", "prompt_tokens_forwarded", "completion_tokens",
+    "tokens_saved", "cost_nano_usd",
+)  # fmt: skip
+# Distinct end users kept per key and day; later ones are counted under OTHER_USER.
+MAX_USERS_PER_DAY = 10_000
+OTHER_USER = "(other)"
 
 
 class Ledger(Protocol):
@@ -126,10 +179,33 @@ class Ledger(Protocol):
     # future already), so it is settled all the same.
     remote: bool
 
-    def charge(self, key_id: str, limits: LimitArgs, tokens: int, w: Windows) -> Awaitable[Charge]:
-        """Check `limits` and, if none is exceeded, count one request of `tokens` forwarded
-        prompt tokens, atomically. `w`: the windows of the request's time. Raises
+    def charge(
+        self,
+        key_id: str,
+        limits: LimitArgs,
+        tokens: int,
+        w: Windows,
+        *,
+        team: str | None = None,
+        team_limits: LimitArgs | None = None,
+        reserve_nano: int = 0,
+    ) -> Awaitable[Charge]:
+        """Check `limits` (and the team's, for a key of a team) and, if none is exceeded,
+        count one request of `tokens` forwarded prompt tokens and add `reserve_nano` to the
+        spend of the key (and team), atomically. A spend cap admits while what was spent
+        and reserved is under it. `w`: the windows of the request's time. Raises
         LedgerUnavailable when the backend cannot answer."""
+        ...
+
+    def settle(self, reservation: Reservation, delta_nano: int) -> Awaitable[None] | None:
+        """Add `delta_nano` (the real price minus the reservation) to the spend the
+        reservation was added to, once per `reservation.token`: done when this returns
+        (None; a backend that is not `remote`), or when the awaitable is. Raises
+        LedgerUnavailable."""
+        ...
+
+    async def peek(self, key_id: str, team: str | None, w: Windows) -> tuple[Counters, Counters]:
+        """A key's and its team's counters now, counting nothing (the admin page)."""
         ...
 
     async def record(
@@ -140,14 +216,22 @@ class Ledger(Protocol):
         now: float,
         *,
         record_id: RecordId | None = None,
+        team: str | None = None,
+        user: str = "",
+        spend_nano: int | None = None,
     ) -> None:
         """Add one batch. `record_id`: the same for every resend of one batch (made by the
         backend if None); a backend that can fail adds a batch it has seen the id of only
-        once, however long after (see RecordId)."""
+        once, however long after (see RecordId). `user`: the end user the requests were
+        for ("" none). `spend_nano`: what to add to the spend counters (default: the cost;
+        less when part of it was reserved, and settled, already)."""
         ...
 
-    async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
-        """Rows for days since..until (inclusive, "YYYY-MM-DD"); all keys when None."""
+    async def usage(
+        self, key_ids: list[str] | None, since: str, until: str, *, users: bool = False
+    ) -> list[UsageRow]:
+        """Rows for days since..until (inclusive, "YYYY-MM-DD"); all keys when None.
+        `users`: the per end user rows instead of the per model ones."""
         ...
 
     async def close(self) -> None: ...

@@ -32,11 +32,6 @@ class QuotaCollector(Collector):
         )
         failed_open.add_metric([backend], self.quotas.failed_open)
         yield failed_open
-        rejected = CounterMetricFamily(
-            "compaction_proxy_quota_rejected", "Requests refused with 429 over a key's quota."
-        )
-        rejected.add_metric([], self.quotas.rejected)
-        yield rejected
         lost = CounterMetricFamily(
             "compaction_proxy_usage_unrecorded", "Replies whose usage could not be recorded."
         )

@@ -45,11 +45,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from proxy.quota.ledger import (
+    MAX_USERS_PER_DAY,
     USAGE_FIELDS,
+    USER_FIELDS,
     Charge,
+    Counters,
     LedgerUnavailable,
     LimitArgs,
     RecordId,
+    Reservation,
     UsageCounts,
     UsageRow,
     days_between,
@@ -60,49 +64,88 @@ from proxy.store.connect import RedisClient
 T = TypeVar("T")
 
 # The result, stored under the charge id and returned, is one JSON array (denial, then the
-# five counters): one string to read back. The counters are read in one MGET and get their
-# expiry only from the charge that creates them (a window's key is named by its window: its
-# TTL only has to outlast it).
+# key's five counters, then its team's five when it has a team): one string to read back.
+# Each holder's counters are read in one MGET; rate and token counters get their expiry
+# only from the charge that creates them (a window's key is named by its window: its TTL
+# only has to outlast it). A reservation adds to the spend counters of the key and team.
+# KEYS: the key's rpm, tpm, tpd, spend day, spend month; the charge id; then the team's five
+# (a key of a team). ARGV: the key's five limits, tokens, minute TTL, day TTL, charge TTL,
+# reservation, month TTL, then the team's five limits.
 _CHARGE_LUA = """
 local seen = redis.call('GET', KEYS[6])
 if seen then
   return seen
 end
-local v = redis.call('MGET', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
-local r, tm, td = tonumber(v[1] or '0'), tonumber(v[2] or '0'), tonumber(v[3] or '0')
-local sd, sm = tonumber(v[4] or '0'), tonumber(v[5] or '0')
-local lr, ltm, ltd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local lsd, lsm = tonumber(ARGV[4]), tonumber(ARGV[5])
-local tokens = tonumber(ARGV[6])
-local denied = ''
-if lr > 0 and r + 1 > lr then denied = 'requests'
-elseif ltm > 0 and tm + tokens > ltm then denied = 'tokens_minute'
-elseif ltd > 0 and td + tokens > ltd then denied = 'tokens_day'
-elseif lsd > 0 and sd >= lsd then denied = 'spend_day'
-elseif lsm > 0 and sm >= lsm then denied = 'spend_month'
+local tokens, reserve = tonumber(ARGV[6]), tonumber(ARGV[10])
+local function read(first)
+  local v = redis.call('MGET', KEYS[first], KEYS[first + 1], KEYS[first + 2],
+    KEYS[first + 3], KEYS[first + 4])
+  local c = {}
+  for i = 1, 5 do c[i] = tonumber(v[i] or '0') end
+  return v, c
+end
+local function limits(at)
+  local l = {}
+  for i = 0, 4 do l[i + 1] = tonumber(ARGV[at + i]) end
+  return l
+end
+local function denial(c, l, prefix)
+  if l[1] > 0 and c[1] + 1 > l[1] then return prefix .. 'requests' end
+  if l[2] > 0 and c[2] + tokens > l[2] then return prefix .. 'tokens_minute' end
+  if l[3] > 0 and c[3] + tokens > l[3] then return prefix .. 'tokens_day' end
+  if l[4] > 0 and c[4] >= l[4] then return prefix .. 'spend_day' end
+  if l[5] > 0 and c[5] >= l[5] then return prefix .. 'spend_month' end
+  return ''
+end
+local function count(first, v, c, l)
+  if l[1] > 0 then
+    c[1] = redis.call('INCR', KEYS[first])
+    if not v[1] then redis.call('EXPIRE', KEYS[first], ARGV[7]) end
+  end
+  if l[2] > 0 and tokens > 0 then
+    c[2] = redis.call('INCRBY', KEYS[first + 1], tokens)
+    if not v[2] then redis.call('EXPIRE', KEYS[first + 1], ARGV[7]) end
+  end
+  if l[3] > 0 and tokens > 0 then
+    c[3] = redis.call('INCRBY', KEYS[first + 2], tokens)
+    if not v[3] then redis.call('EXPIRE', KEYS[first + 2], ARGV[8]) end
+  end
+  if reserve > 0 then
+    c[4] = redis.call('INCRBY', KEYS[first + 3], reserve)
+    redis.call('EXPIRE', KEYS[first + 3], ARGV[8])
+    c[5] = redis.call('INCRBY', KEYS[first + 4], reserve)
+    redis.call('EXPIRE', KEYS[first + 4], ARGV[11])
+  end
+end
+local kv, kc = read(1)
+local kl = limits(1)
+local denied = denial(kc, kl, '')
+local team = #KEYS > 6
+local tv, tc, tl
+if team then
+  tv, tc = read(7)
+  tl = limits(12)
+  if denied == '' then denied = denial(tc, tl, 'team_') end
 end
 if denied == '' then
-  if lr > 0 then
-    r = redis.call('INCR', KEYS[1])
-    if not v[1] then redis.call('EXPIRE', KEYS[1], ARGV[7]) end
-  end
-  if ltm > 0 and tokens > 0 then
-    tm = redis.call('INCRBY', KEYS[2], tokens)
-    if not v[2] then redis.call('EXPIRE', KEYS[2], ARGV[7]) end
-  end
-  if ltd > 0 and tokens > 0 then
-    td = redis.call('INCRBY', KEYS[3], tokens)
-    if not v[3] then redis.call('EXPIRE', KEYS[3], ARGV[8]) end
-  end
+  count(1, kv, kc, kl)
+  if team then count(7, tv, tc, tl) end
 end
-local result = string.format('["%s",%d,%d,%d,%d,%d]', denied, r, tm, td, sd, sm)
+local result = string.format('["%s",%d,%d,%d,%d,%d', denied, kc[1], kc[2], kc[3], kc[4], kc[5])
+if team then
+  result = result .. string.format(',%d,%d,%d,%d,%d', tc[1], tc[2], tc[3], tc[4], tc[5])
+end
+result = result .. ']'
 redis.call('SET', KEYS[6], result, 'EX', ARGV[9])
 return result
 """
 
-# KEYS: usage hash, spend day, spend month, the day's writes hash. ARGV: usage TTL, day TTL,
-# month TTL, the writer's field, the batch's sequence number, cost in nano-dollars, then
-# field, increment pairs.
+# KEYS: usage hash, spend day, spend month, the day's writes hash, the day's end-user hash,
+# the team's spend day and month (unused names in the same slot without a team).
+# ARGV: usage TTL, day TTL, month TTL, the writer's field, the batch's sequence number,
+# spend to add in nano-dollars, whether a team's spend is kept too, the end user's name
+# ("" none), how many per-model pairs follow, then field, increment pairs (per model, then
+# per end user), then the cap of distinct end users per key and day as the last argument.
 _RECORD_LUA = """
 local last = redis.call('HGET', KEYS[4], ARGV[4])
 if last and tonumber(last) >= tonumber(ARGV[5]) then
@@ -110,14 +153,45 @@ if last and tonumber(last) >= tonumber(ARGV[5]) then
 end
 redis.call('HSET', KEYS[4], ARGV[4], ARGV[5])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
-for i = 7, #ARGV, 2 do
+local last = 9 + 2 * tonumber(ARGV[9])
+for i = 10, last, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
+local user = ARGV[8]
+if user ~= '' then
+  local cap = tonumber(ARGV[#ARGV])
+  local sep = string.char(10)
+  if redis.call('HEXISTS', KEYS[5], user .. sep .. 'requests') == 0
+     and redis.call('HLEN', KEYS[5]) >= cap * 6 then
+    user = '(other)'
+  end
+  for i = last + 1, #ARGV - 1, 2 do
+    redis.call('HINCRBY', KEYS[5], user .. sep .. ARGV[i], ARGV[i + 1])
+  end
+  redis.call('EXPIRE', KEYS[5], ARGV[1])
+end
 local cost = tonumber(ARGV[6])
 if cost ~= 0 then
   redis.call('INCRBY', KEYS[2], cost); redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('INCRBY', KEYS[3], cost); redis.call('EXPIRE', KEYS[3], ARGV[3])
+  if ARGV[7] == '1' then
+    redis.call('INCRBY', KEYS[6], cost); redis.call('EXPIRE', KEYS[6], ARGV[2])
+    redis.call('INCRBY', KEYS[7], cost); redis.call('EXPIRE', KEYS[7], ARGV[3])
+  end
+end
+return 1
+"""
+
+# KEYS: the marker of this settlement, then spend counters (day, month; the team's too).
+# ARGV: delta in nano-dollars, marker TTL, day TTL, month TTL.
+_SETTLE_LUA = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
+  return 0
+end
+for i = 2, #KEYS do
+  redis.call('INCRBY', KEYS[i], ARGV[1])
+  redis.call('EXPIRE', KEYS[i], (i % 2 == 0) and ARGV[3] or ARGV[4])
 end
 return 1
 """
@@ -127,6 +201,9 @@ _MINUTE_TTL_S = 120
 _DAY_TTL_S = 2 * 86400
 _MONTH_TTL_S = 32 * 86400
 _CHARGE_TTL_S = 60  # a charge's stored result: longer than any timeout plus one resend
+# A settlement's marker: how long a resend of it is recognised (the meter retries failed
+# settlements for less than this).
+SETTLE_TTL_S = 900
 _SEP = "\n"  # between model and field in a usage hash (model names never hold one)
 
 # A charge waiting to be sent: its script's keys and arguments, and where its result goes.
@@ -135,7 +212,7 @@ _Queued = tuple[list[str], list[int], "asyncio.Future[Charge]"]
 
 def _charge_of(result: bytes | str) -> Charge:
     """The charge script's result: `["<denial or empty>", requests, tokens per minute, tokens
-    per day, spend today, spend this month]`."""
+    per day, spend today, spend this month]`, then the team's five."""
     denied, *counts = orjson.loads(result)
     return Charge(denied or None, *counts)
 
@@ -167,6 +244,7 @@ class RedisLedger:
         self._clock = clock
         self._charge = client.register_script(_CHARGE_LUA)
         self._record = client.register_script(_RECORD_LUA)
+        self._settle = client.register_script(_SETTLE_LUA)
         # Charge ids: random per ledger, then counted: unique across replicas and restarts.
         self._id_prefix = os.urandom(12).hex()
         self._ids = itertools.count()
@@ -175,7 +253,18 @@ class RedisLedger:
         self._senders: set[asyncio.Task[None]] = set()
 
     def key(self, key_id: str, *parts: str) -> str:
+        """A key's own Redis key (a key without a team: its id is the hash tag)."""
         return ":".join([f"{self.prefix}{{{key_id}}}", *parts])
+
+    def holder_key(self, key_id: str, team: str | None, *parts: str) -> str:
+        """A key's Redis key; a key of a team lives in the team's slot, beside the team's
+        counters, so one script checks both (`=` is in no key id: no clash)."""
+        if team is None:
+            return self.key(key_id, *parts)
+        return ":".join([f"{self.prefix}{{team={team}}}", "key", key_id, *parts])
+
+    def team_key(self, team: str, *parts: str) -> str:
+        return ":".join([f"{self.prefix}{{team={team}}}", "team", *parts])
 
     @property
     def index_key(self) -> str:
@@ -206,6 +295,9 @@ class RedisLedger:
         tokens: int,
         w: Windows,
         *,
+        team: str | None = None,
+        team_limits: LimitArgs | None = None,
+        reserve_nano: int = 0,
         charge_id: str | None = None,
     ) -> asyncio.Future[Charge]:
         """The charge's result, to come: it goes to Redis with the others asked for in this
@@ -219,12 +311,12 @@ class RedisLedger:
         if charge_id is None:
             charge_id = f"{self._id_prefix}{next(self._ids):016x}"
         keys = [
-            self.key(key_id, "rpm", w.minute),
-            self.key(key_id, "tpm", w.minute),
-            self.key(key_id, "tpd", w.day),
-            self.key(key_id, "spend", w.day),
-            self.key(key_id, "spend", w.month),
-            self.key(key_id, "charge", charge_id),
+            self.holder_key(key_id, team, "rpm", w.minute),
+            self.holder_key(key_id, team, "tpm", w.minute),
+            self.holder_key(key_id, team, "tpd", w.day),
+            self.holder_key(key_id, team, "spend", w.day),
+            self.holder_key(key_id, team, "spend", w.month),
+            self.holder_key(key_id, team, "charge", charge_id),
         ]
         args = [
             limits.requests,
@@ -236,7 +328,20 @@ class RedisLedger:
             _MINUTE_TTL_S,
             _DAY_TTL_S,
             _CHARGE_TTL_S,
+            reserve_nano,
+            _MONTH_TTL_S,
         ]
+        if team is not None:
+            keys += [
+                self.team_key(team, "rpm", w.minute),
+                self.team_key(team, "tpm", w.minute),
+                self.team_key(team, "tpd", w.day),
+                self.team_key(team, "spend", w.day),
+                self.team_key(team, "spend", w.month),
+            ]
+            t = team_limits or LimitArgs(0, 0, 0, 0, 0)
+            args += [t.requests, t.tokens_minute, t.tokens_day, t.spend_day_nano]
+            args += [t.spend_month_nano]
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Charge] = loop.create_future()
         if self._clock() < self._retry_at:
@@ -286,6 +391,36 @@ class RedisLedger:
                 raise result
         return results
 
+    async def settle(self, reservation: Reservation, delta_nano: int) -> None:
+        """Add `delta_nano` to the spend the reservation went to, once per its token."""
+        if not delta_nano:
+            return
+        key_id, team, day, month = reservation[:4]
+        keys = [
+            self.holder_key(key_id, team, "settled", reservation.token),
+            self.holder_key(key_id, team, "spend", day),
+            self.holder_key(key_id, team, "spend", month),
+        ]
+        if team is not None:
+            keys += [self.team_key(team, "spend", day), self.team_key(team, "spend", month)]
+        args = [delta_nano, SETTLE_TTL_S, _DAY_TTL_S, _MONTH_TTL_S]
+        await self._guarded(lambda: self._settle(keys=keys, args=args))
+
+    async def peek(self, key_id: str, team: str | None, w: Windows) -> tuple[Counters, Counters]:
+        windows = [("rpm", w.minute), ("tpm", w.minute), ("tpd", w.day)]
+        windows += [("spend", w.day), ("spend", w.month)]
+        keys = [self.holder_key(key_id, team, *parts) for parts in windows]
+
+        async def read() -> tuple[Counters, Counters]:
+            found = [int(v or 0) for v in await self.client.mget(keys)]
+            team_found = [0] * 5
+            if team is not None:
+                names = [self.team_key(team, *parts) for parts in windows]
+                team_found = [int(v or 0) for v in await self.client.mget(names)]
+            return Counters(*found), Counters(*team_found)
+
+        return await self._guarded(read)
+
     async def record(
         self,
         key_id: str,
@@ -294,60 +429,89 @@ class RedisLedger:
         now: float,
         *,
         record_id: RecordId | None = None,
+        team: str | None = None,
+        user: str = "",
+        spend_nano: int | None = None,
     ) -> None:
-        """Add one batch's counts to the key's usage and spend. `record_id`: the same for
-        every resend of one batch (made here if None); one written already adds nothing."""
+        """Add one batch's counts to the key's usage (and its end user's) and spend.
+        `record_id`: the same for every resend of one batch (made here if None); one
+        written already adds nothing."""
         w = windows_at(now)
         writer, seq = record_id or (os.urandom(16).hex(), 1)
+        spend_team = team if team is not None else key_id  # (unused names without a team)
         keys = [
-            self.key(key_id, "usage", w.day),
-            self.key(key_id, "spend", w.day),
-            self.key(key_id, "spend", w.month),
-            self.key(key_id, "writes", w.day),
+            self.holder_key(key_id, team, "usage", w.day),
+            self.holder_key(key_id, team, "spend", w.day),
+            self.holder_key(key_id, team, "spend", w.month),
+            self.holder_key(key_id, team, "writes", w.day),
+            self.holder_key(key_id, team, "users", w.day),
+            self.team_key(spend_team, "spend", w.day) if team else self.key(key_id, "-"),
+            self.team_key(spend_team, "spend", w.month) if team else self.key(key_id, "-"),
         ]
+        field = f"{writer}{_SEP}{model}" + (f"{_SEP}{user}" if user else "")
+        nonzero = counts.nonzero()
         args: list[str | int] = [
             self.retention_days * 86400,
             _DAY_TTL_S,
             _MONTH_TTL_S,
-            f"{writer}{_SEP}{model}",
+            field,
             seq,
-            counts.cost_nano_usd,
+            counts.cost_nano_usd if spend_nano is None else spend_nano,
+            "1" if team is not None else "0",
+            user,
+            len(nonzero),
         ]
-        for name, value in counts.nonzero().items():
+        for name, value in nonzero.items():
             args += [f"{model}{_SEP}{name}", value]
+        if user:
+            args += [
+                item for name in USER_FIELDS if nonzero.get(name) for item in (name, nonzero[name])
+            ]
+        args.append(MAX_USERS_PER_DAY)
+        member = key_id if team is None else f"{key_id}{_SEP}{team}"
 
         async def write() -> None:
             await self._record(keys=keys, args=args)
-            await self.client.sadd(self.index_key, key_id)  # another slot on a cluster
+            await self.client.sadd(self.index_key, member)  # another slot on a cluster
 
         await self._guarded(write)
 
-    async def usage(self, key_ids: list[str] | None, since: str, until: str) -> list[UsageRow]:
+    async def usage(
+        self, key_ids: list[str] | None, since: str, until: str, *, users: bool = False
+    ) -> list[UsageRow]:
         days = days_between(since, until, self.retention_days)
+        wanted = None if key_ids is None else set(key_ids)
 
         async def read() -> list[UsageRow]:
-            ids = key_ids
-            if ids is None:
-                members = await self.client.smembers(self.index_key)
-                ids = sorted(_text(member) for member in members)
-            pairs = [(key_id, day) for key_id in ids for day in days]
+            members = await self.client.smembers(self.index_key)
+            holders: set[tuple[str, str | None]] = set()
+            for member in members:
+                key_id, _, team_name = _text(member).partition(_SEP)
+                if wanted is None or key_id in wanted:
+                    holders.add((key_id, team_name or None))
+            if wanted is not None:  # (a key with no usage yet is not in the index)
+                holders |= {(key_id, None) for key_id in wanted}
+            pairs = [(holder, day) for holder in sorted(holders, key=str) for day in days]
             if not pairs:
                 return []
             pipe = self.client.pipeline(transaction=False)
-            for key_id, day in pairs:
-                pipe.hgetall(self.key(key_id, "usage", day))
+            kind = "users" if users else "usage"
+            for (key_id, holder_team), day in pairs:
+                pipe.hgetall(self.holder_key(key_id, holder_team, kind, day))
             hashes = await pipe.execute()
             rows: list[UsageRow] = []
-            for (key_id, day), fields in zip(pairs, hashes, strict=True):
-                by_model: dict[str, dict[str, int]] = {}
+            for ((key_id, holder_team), day), fields in zip(pairs, hashes, strict=True):
+                by_name: dict[str, dict[str, int]] = {}
                 for raw_field, raw_value in fields.items():
-                    model, _, name = _text(raw_field).rpartition(_SEP)
-                    if name in USAGE_FIELDS:  # (a field a newer version added: not ours)
-                        by_model.setdefault(model, {})[name] = int(raw_value)
-                rows += [
-                    UsageRow(key_id, model, day, UsageCounts(**by_model[model]))
-                    for model in sorted(by_model)
-                ]
+                    name, _, count = _text(raw_field).rpartition(_SEP)
+                    if count in USAGE_FIELDS:  # (a field a newer version added: not ours)
+                        by_name.setdefault(name, {})[count] = int(raw_value)
+                for name in sorted(by_name):
+                    counts = UsageCounts(**by_name[name])
+                    if users:
+                        rows.append(UsageRow(key_id, "", day, counts, holder_team, name))
+                    else:
+                        rows.append(UsageRow(key_id, name, day, counts, holder_team))
             return rows
 
         return await self._guarded(read)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.usage.meter import COST_HEADER, ChatTap, Meter
+from proxy.usage.meter import COST_HEADER, ChatTap, Meter, end_user
 from proxy.usage.pricing import DEFAULT_PRICES, Price, Pricing
 from proxy.usage.tap import ReportedUsage, StreamTap, usage_of_body
 
@@ -15,5 +15,6 @@ __all__ = [
     "Pricing",
     "ReportedUsage",
     "StreamTap",
+    "end_user",
     "usage_of_body",
 ]

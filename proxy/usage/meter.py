@@ -33,7 +33,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,12 +43,19 @@ import orjson
 from proxy import jsonbytes
 from proxy.compaction.protocol import Spend, Usage
 from proxy.headers import RawHeaders
-from proxy.quota.ledger import NANO, Ledger, LedgerUnavailable, RecordId, UsageCounts
+from proxy.quota.ledger import (
+    NANO,
+    Ledger,
+    LedgerUnavailable,
+    RecordId,
+    Reservation,
+    UsageCounts,
+)
 from proxy.quota.windows import day_of
 from proxy.report import Outcome
 from proxy.settings import Settings
 from proxy.store.protocol import RateLimitedLog
-from proxy.usage.pricing import Pricing
+from proxy.usage.pricing import Pricing, request_cost_nano
 from proxy.usage.tap import BodyTail, ReportedUsage, StreamTap, usage_of_body
 
 log = logging.getLogger("proxy.usage")
@@ -63,7 +70,14 @@ MAX_HELD_ROWS = 10_000
 _MODEL_CHARS = 100
 
 
-Entry = tuple[str, str, str]  # key id, model, day
+Entry = tuple[str, str | None, str, str, str]  # key id, team, model, day, end user ("" none)
+# The metrics hook (`Meter.observer`): at each flush, per key, team and model, the usage
+# accounted since the last (summed: a call per series and flush, not per reply).
+Observer = Callable[[str, str | None, str, UsageCounts], None]
+# A failed settlement is tried again at each flush for this long (less than the ledger keeps
+# its marker: proxy.quota.redis.SETTLE_TTL_S), then given up with a warning.
+SETTLE_RETRY_S = 600.0
+MAX_UNSETTLED = 10_000
 
 
 @dataclass
@@ -73,6 +87,7 @@ class _Held:
     at: float  # a timestamp in the row's day
     counts: UsageCounts  # never changed once written
     record_id: RecordId
+    spend: int = 0  # what it adds to the spend counters (its unreserved requests' cost)
 
 
 class Meter:
@@ -93,8 +108,9 @@ class Meter:
         self.summarizer_model = settings.compaction.summarizer.model
         self.errors = 0
         self.flush_s = FLUSH_S
-        # (key id, model, day) -> (a timestamp in that day, the sum of its replies' counts)
-        self._batch: dict[Entry, tuple[float, UsageCounts]] = {}
+        # (key id, team, model, day, user) -> (a timestamp in that day, the sum of its
+        # replies' counts, what they add to the spend counters)
+        self._batch: dict[Entry, tuple[float, UsageCounts, int]] = {}
         self._flusher: asyncio.Task[None] | None = None  # sleeping until the next flush
         self._writing: set[asyncio.Task[None]] = set()  # flushes in progress
         self._log = RateLimitedLog(log)
@@ -105,6 +121,11 @@ class Meter:
         self._cap_warned = False  # one warning per outage when the cap drops rows
         self._writer = os.urandom(16).hex()  # this meter's half of every RecordId
         self._written = 0  # the last RecordId number given
+        self.observer: Observer | None = None
+        self._observed: dict[tuple[str, str | None, str], UsageCounts] = {}  # for `observer`
+        # Settlements whose write failed: (first tried at, reservation, delta), retried.
+        self._unsettled: list[tuple[float, Reservation, int]] = []
+        self.unsettled_dropped = 0
 
     def with_stream_usage(
         self, body: dict[str, Any], raw: bytes
@@ -131,31 +152,83 @@ class Meter:
         *,
         hide_usage: bool,
         spend: Spend | None = None,
+        team: str | None = None,
+        user: str = "",
     ) -> ChatTap:
-        return ChatTap(self, key_id, model, outcome, hide_usage, spend)
+        """`team`: the key's; `user`: the request's end user (`end_user(body)`)."""
+        return ChatTap(self, key_id, model, outcome, hide_usage, spend, team, user)
 
     def cost_nano(
         self, model: str, summary: Usage, prompt: int, cached: int, completion: int
     ) -> tuple[int, bool]:
         """Nano-dollars for the reply plus this request's summarizer calls (`summary`);
         (cost, priced)."""
-        price = self.pricing.price_of(model)
-        usd = 0.0 if price is None else price.cost_usd(prompt, cached, completion)
-        if summary.input_tokens or summary.output_tokens:
-            summarizer = self.pricing.price_of(self.summarizer_model or model)
-            if summarizer is not None:
-                usd += summarizer.cost_usd(summary.input_tokens, 0, summary.output_tokens)
-        return round(usd * NANO), price is not None
+        cost = request_cost_nano(
+            self.pricing, model, self.summarizer_model, summary, prompt, completion, cached
+        )
+        return cost, self.pricing.price_of(model) is not None
 
-    def add(self, key_id: str, model: str, counts: UsageCounts) -> None:
-        """Add one reply's counts to the batch, summed per key, model and day; the flusher
-        writes it within `flush_s`."""
+    def add(
+        self,
+        key_id: str,
+        model: str,
+        counts: UsageCounts,
+        *,
+        team: str | None = None,
+        user: str = "",
+        reserved: bool = False,
+    ) -> None:
+        """Add one reply's counts to the batch, summed per key, model, day and end user; the
+        flusher writes it within `flush_s`. `reserved`: its cost reached the spend counters
+        already (a reservation, settled)."""
         now = self.clock()
-        entry = (key_id, model[:_MODEL_CHARS], day_of(now))
+        entry = (key_id, team, model[:_MODEL_CHARS], day_of(now), user)
+        spend = 0 if reserved else counts.cost_nano_usd
         found = self._batch.get(entry)
-        self._batch[entry] = (now, counts) if found is None else (found[0], found[1].plus(counts))
+        self._batch[entry] = (
+            (now, counts, spend)
+            if found is None
+            else (found[0], found[1].plus(counts), found[2] + spend)
+        )
+        if self.observer is not None:  # told at the flush, summed: once per series a flush
+            seen = (key_id, team, model)
+            found_seen = self._observed.get(seen)
+            self._observed[seen] = counts if found_seen is None else found_seen.plus(counts)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
+
+    def settle(self, reservation: Reservation, cost_nano: int) -> None:
+        """Settle a request's reservation with what it cost (0: it never went upstream),
+        now: the next request of the key sees its real spend, not the estimate. A write
+        that fails is tried again at the next flushes (see SETTLE_RETRY_S)."""
+        delta = cost_nano - reservation.nano
+        if not delta:
+            return
+        if not self.ledger.remote:  # applied as it returns
+            self.ledger.settle(reservation, delta)
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(reservation, delta))
+        self._writing.add(task)
+        task.add_done_callback(self._writing.discard)
+
+    async def _settle(self, reservation: Reservation, delta: int, since: float = 0.0) -> None:
+        try:
+            pending = self.ledger.settle(reservation, delta)
+            if pending is not None:
+                await pending
+        except LedgerUnavailable as exc:
+            now = time.monotonic()
+            if now - (since or now) >= SETTLE_RETRY_S or len(self._unsettled) >= MAX_UNSETTLED:
+                self.unsettled_dropped += 1
+                self._log.warning(
+                    "quota: a reservation of key %r could not be settled (%s): its spend "
+                    "counter is off by $%.6f until the window ends",
+                    reservation.key_id, exc, delta / NANO,
+                )  # fmt: skip
+                return
+            self._unsettled.append((since or now, reservation, delta))
+            if self._flusher is None:
+                self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
     @property
     def held_rows(self) -> int:
@@ -172,12 +245,19 @@ class Meter:
             self._writing.add(task)
             task.add_done_callback(self._writing.discard)
         await self.flush()
-        if self._held and self._flusher is None:  # retried without waiting for new usage
+        if (self._held or self._unsettled) and self._flusher is None:  # retried on their own
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
 
     async def flush(self) -> None:
         """Write the batch now (one ledger call per key, model and day), held rows first.
         After one failed write the rest are kept unsent: the ledger is down for them too."""
+        observed, self._observed = self._observed, {}
+        if self.observer is not None:
+            for (key_id, team, model), counts in observed.items():
+                self.observer(key_id, team, model, counts)
+        unsettled, self._unsettled = self._unsettled, []
+        for since, reservation, delta in unsettled:
+            await self._settle(reservation, delta, since)
         async with self._flushing:
             batch, self._batch = self._batch, {}
             held, self._held = self._held, {}
@@ -189,12 +269,12 @@ class Meter:
                     waiting = batch.pop(entry, None)
                     if waiting is not None:  # never sent: merges with what comes next
                         self._carry(entry, *waiting)
-            for entry, (at, counts) in batch.items():
+            for entry, (at, counts, spend) in batch.items():
                 if down:
-                    self._carry(entry, at, counts)
+                    self._carry(entry, at, counts, spend)
                     continue
                 self._written += 1
-                row = _Held(at, counts, (self._writer, self._written))
+                row = _Held(at, counts, (self._writer, self._written), spend)
                 if not await self._write(entry, row):
                     down = True
                     self._hold(entry, row)
@@ -202,9 +282,12 @@ class Meter:
                 self._cap_warned = False
 
     async def _write(self, entry: Entry, row: _Held) -> bool:
-        key_id, model, _ = entry
+        key_id, team, model, _, user = entry
         try:
-            await self.ledger.record(key_id, model, row.counts, row.at, record_id=row.record_id)
+            await self.ledger.record(
+                key_id, model, row.counts, row.at, record_id=row.record_id, team=team,
+                user=user, spend_nano=row.spend,
+            )  # fmt: skip
         except LedgerUnavailable as exc:
             self._log.warning(
                 "usage: %s ledger unavailable (%s); usage held for the next flush",
@@ -236,13 +319,13 @@ class Meter:
         else:
             self._drop(row.counts)
 
-    def _carry(self, entry: Entry, at: float, counts: UsageCounts) -> None:
+    def _carry(self, entry: Entry, at: float, counts: UsageCounts, spend: int) -> None:
         """Back into the batch, unsent: summed with what was recorded since."""
         found = self._batch.get(entry)
         if found is not None:
-            self._batch[entry] = (found[0], found[1].plus(counts))
+            self._batch[entry] = (found[0], found[1].plus(counts), found[2] + spend)
         elif self._room():
-            self._batch[entry] = (at, counts)
+            self._batch[entry] = (at, counts, spend)
         else:
             self._drop(counts)
 
@@ -259,7 +342,7 @@ class Meter:
                 await asyncio.gather(*list(self._writing), return_exceptions=True)
         await self.flush()
         left = [row.counts for row in self._held.values()]
-        left += [counts for _, counts in self._batch.values()]
+        left += [counts for _, counts, _ in self._batch.values()]
         if left:  # held, or unsent behind a failed write
             log.warning(
                 "usage: %d rows (%d replies) still not written: the %s ledger is unavailable",
@@ -315,8 +398,8 @@ class ChatTap:
     them, the compaction step finished or not); without one, the outcome's usage."""
 
     __slots__ = (
-        "_stream", "_tail", "hide_usage", "key_id", "meter", "model", "outcome", "spend",
-        "status",
+        "_stream", "_tail", "hide_usage", "key_id", "meter", "model", "outcome", "reservation",
+        "spend", "status", "team", "user",
     )  # fmt: skip
 
     def __init__(
@@ -327,6 +410,8 @@ class ChatTap:
         outcome: Outcome,
         hide_usage: bool,
         spend: Spend | None = None,
+        team: str | None = None,
+        user: str = "",
     ) -> None:
         self.meter = meter
         self.key_id = key_id
@@ -334,9 +419,16 @@ class ChatTap:
         self.outcome = outcome
         self.hide_usage = hide_usage
         self.spend = spend
+        self.team = team
+        self.user = user
         self.status = 0
+        self.reservation: Reservation | None = None
         self._stream: StreamTap | None = None
         self._tail: BodyTail | None = None
+
+    def reserved(self, reservation: Reservation | None) -> None:
+        """The price its quota charge reserved: settled with the real one when it ends."""
+        self.reservation = reservation
 
     @property
     def summary(self) -> Usage:
@@ -418,6 +510,8 @@ class ChatTap:
                 summarizer_completion_tokens=summary.output_tokens,
                 cost_nano_usd=cost,
             ),
+            team=self.team,
+            user=self.user,
         )
 
     def _finish(
@@ -450,6 +544,10 @@ class ChatTap:
             prompt = cached = completion = sent = saved = estimated = 0
         meter, model = self.meter, self.model
         cost, priced = meter.cost_nano(model, summary, prompt, cached, completion)
+        reservation = self.reservation
+        if reservation is not None:
+            self.reservation = None  # (settled once, however the request ended)
+            meter.settle(reservation, cost)
         meter.add(
             self.key_id,
             model,
@@ -465,5 +563,20 @@ class ChatTap:
                 cost_nano_usd=cost,
                 estimated_requests=estimated,
             ),
+            team=self.team,
+            user=self.user,
+            reserved=reservation is not None,
         )
         return cost, priced
+
+
+# End-user names are the client's: kept this long at most.
+_USER_CHARS = 64
+
+
+def end_user(body: Mapping[str, Any]) -> str:
+    """The end user a request is for (its `user` field, cut to 64 characters; "" none)."""
+    user = body.get("user")
+    if not isinstance(user, str):
+        return ""
+    return user[:_USER_CHARS].strip()

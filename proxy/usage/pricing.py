@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from proxy.compaction.protocol import Usage
+from proxy.quota.ledger import NANO
 from proxy.settings import PriceSettings
 
 
@@ -90,3 +92,23 @@ class Pricing:
             pat: {"input": p.input, "cached_input": p.cached_input, "output": p.output}
             for pat, p in self._table
         }
+
+
+def request_cost_nano(
+    pricing: Pricing,
+    model: str,
+    summarizer_model: str | None,
+    summary: Usage | None,
+    prompt: int,
+    completion: int,
+    cached: int = 0,
+) -> int:
+    """Nano-dollars for one request's reply plus its summarizer calls (`summary`, priced at
+    the summarizer's model, else the request's)."""
+    price = pricing.price_of(model)
+    usd = 0.0 if price is None else price.cost_usd(prompt, cached, completion)
+    if summary is not None and (summary.input_tokens or summary.output_tokens):
+        summarizer = pricing.price_of(summarizer_model or model)
+        if summarizer is not None:
+            usd += summarizer.cost_usd(summary.input_tokens, 0, summary.output_tokens)
+    return round(usd * NANO)

@@ -151,7 +151,13 @@ def test_two_workers_share_the_port_and_their_counters_add_up(two_workers: Serve
     for family in text_string_to_metric_families(scrape):
         for sample in family.samples:
             if sample.name == REQUESTS and sample.labels["route"] == CHAT_ROUTE:
-                assert sample.labels == {"route": CHAT_ROUTE, "status": "200", "model": "echo"}
+                assert sample.labels == {
+                    "route": CHAT_ROUTE,
+                    "status": "200",
+                    "model": "echo",
+                    "key_id": "",
+                    "team": "",
+                }
                 total += sample.value
             if sample.name == "process_resident_memory_bytes":
                 pids.add(sample.labels["pid"])

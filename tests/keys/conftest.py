@@ -80,10 +80,12 @@ async def make_app() -> AsyncIterator[Any]:
         transport = httpx.ASGITransport(app=app)
         client = httpx.AsyncClient(transport=transport, base_url="http://proxy.test")
         made.append(App(app, client))
+        await app.state.proxy.gate.source.start()  # as the lifespan does (the key store's load)
         return made[-1]
 
     yield make
     for item in made:
+        await item.state.gate.source.close()
         await item.state.meter.join()
         await item.client.aclose()
         await item.state.upstream.client.aclose()

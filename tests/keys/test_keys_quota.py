@@ -527,9 +527,9 @@ async def test_a_charge_resent_with_the_same_id_is_counted_once(
     try:
         first = await ledger.charge("k", limits, 300, w, charge_id="a" * 32)
         again = await ledger.charge("k", limits, 300, w, charge_id="a" * 32)
-        assert first == again == (None, 1, 0, 300, 0, 0)
+        assert first[:6] == again[:6] == (None, 1, 0, 300, 0, 0)
         other = await ledger.charge("k", limits, 300, w, charge_id="b" * 32)
-        assert other == (None, 2, 0, 600, 0, 0)
+        assert other[:6] == (None, 2, 0, 600, 0, 0)
         denied = await ledger.charge("k", limits, 300, w, charge_id="c" * 32)
         assert denied.denied == "requests"
         # A refusal resent is the same refusal, and still counts nothing.
