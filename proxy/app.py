@@ -113,6 +113,7 @@ def create_app(
             for task in (probe, connect):
                 if task is not None:
                     task.cancel()
+            await state.compactor.aclose()  # summaries being made ahead of need
             await state.meter.join()
             await ledger.close()
             await client.aclose()

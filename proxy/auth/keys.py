@@ -56,6 +56,7 @@ class ProxyKey:
     budget_tokens: int | None = None
     mode: Literal["auto", "off", "force"] | None = None
     strategy: str | None = None
+    prepare: bool = True  # summaries made ahead of need (compaction.prepare_at)
     limits: Limits = Limits()
 
     _allowed: dict[str, bool] = field(
@@ -80,6 +81,7 @@ class ProxyKey:
             "budget_tokens": self.budget_tokens,
             "mode": self.mode,
             "strategy": self.strategy,
+            "prepare": self.prepare,
             "requests_per_minute": self.limits.requests_per_minute,
             "prompt_tokens_per_minute": self.limits.prompt_tokens_per_minute,
             "prompt_tokens_per_day": self.limits.prompt_tokens_per_day,
@@ -159,6 +161,7 @@ def build_key(entry: KeySettings, where: str, environ: Mapping[str, str]) -> Pro
         budget_tokens=entry.budget_tokens,
         mode=entry.mode,
         strategy=entry.strategy,
+        prepare=entry.prepare,
         limits=Limits(
             requests_per_minute=entry.requests_per_minute,
             prompt_tokens_per_minute=entry.prompt_tokens_per_minute,

@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -308,6 +309,22 @@ def content_encoding(headers: httpx.Headers) -> str:
     return ", ".join(headers.get_list("content-encoding"))
 
 
+def summarizer_usage(meter: Meter, key_id: str, model: str, summary: Usage) -> None:
+    """Summarizer calls alone (not a request), for a key and the model of its request."""
+    if not (summary.input_tokens or summary.output_tokens):
+        return
+    cost, _ = meter.cost_nano(model, summary, 0, 0, 0)
+    meter.add(
+        key_id,
+        model,
+        UsageCounts(
+            summarizer_prompt_tokens=summary.input_tokens,
+            summarizer_completion_tokens=summary.output_tokens,
+            cost_nano_usd=cost,
+        ),
+    )
+
+
 class ChatTap:
     """One chat reply's accounting; satisfies `proxy.upstream.ReplyTap`.
 
@@ -334,6 +351,8 @@ class ChatTap:
         self.outcome = outcome
         self.hide_usage = hide_usage
         self.spend = spend
+        if spend is not None:  # a summary prepared ahead of need: the key's, on its own
+            spend.on_detached(partial(summarizer_usage, meter, key_id, model))
         self.status = 0
         self._stream: StreamTap | None = None
         self._tail: BodyTail | None = None
@@ -406,19 +425,7 @@ class ChatTap:
 
     def _summarized(self, summary: Usage) -> None:
         """Summarizer calls alone (not a request)."""
-        if not (summary.input_tokens or summary.output_tokens):
-            return
-        meter, model = self.meter, self.model
-        cost, _ = meter.cost_nano(model, summary, 0, 0, 0)
-        meter.add(
-            self.key_id,
-            model,
-            UsageCounts(
-                summarizer_prompt_tokens=summary.input_tokens,
-                summarizer_completion_tokens=summary.output_tokens,
-                cost_nano_usd=cost,
-            ),
-        )
+        summarizer_usage(self.meter, self.key_id, self.model, summary)
 
     def _finish(
         self, billable: bool, reported: ReportedUsage | None, events: int
