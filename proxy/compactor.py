@@ -286,11 +286,13 @@ class Compactor:
             return outcome
         forwarded = outcome.tokens_after or outcome.tokens_before
         threshold = math.ceil(share * outcome.budget)
-        if forwarded < threshold:
-            return outcome
         spans = None if parsed is None else parsed.spans
         cache = None if spans is None else spans.cache
         started = None if cache is None else cache.ahead
+        if forwarded < threshold:
+            if started is not None:  # out of the band (crossed, or masked): next time anew
+                started.live = False
+            return outcome
         if started is not None and started.live and started.basis == outcome.summarized:
             return outcome  # an earlier turn of the session started it
         model = model_of(body)

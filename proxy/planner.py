@@ -108,6 +108,7 @@ class SummaryPlanner:
         self.store = store
         self.flight = flight
         self.on_prepared = on_prepared
+        self._preparing: set[str] = set()  # sessions being prepared for in this process
 
     async def _keys(
         self,
@@ -296,32 +297,56 @@ class SummaryPlanner:
         if not keys:
             return Prepared("nothing")
         lock = "prepare:" + keys[min(latest, _SESSION_MESSAGES) - 1]
-        token = secrets.token_hex(16)
-        if await self.store.acquire_lock(lock, token) != "acquired":
-            return Prepared("held")  # (or the store is down: nothing could be stored)
+        if lock in self._preparing:
+            return Prepared("held")
+        self._preparing.add(lock)
         try:
-            stored = await self.store.lookup(keys, latest, accept)
-            forwarded = tokens
-            if stored:
-                entry = stored[0]
-                summary = compaction.summary_message(entry.text)
-                forwarded = await budget.count(cut.forward(summary, entry.length, entry.carried))
-            if forwarded < threshold:
-                return Prepared("ahead")
-            length = await target(forwarded)
-            if (stored and stored[0].length >= length) or not accept(length):
-                return Prepared("stored" if stored else "nothing")
-            base = stored[0] if stored else None
-            _, made = await self._make(
-                cut, compaction, summarizer, keys, budget, accept,
-                base.length if base else 0, length, base.text if base else None,
-                prepared=True,
-            )  # fmt: skip
-            if made is None:  # made meanwhile by a request that needed it
-                return Prepared("stored")
-            return Prepared("made", made.usage, length)
+            token = secrets.token_hex(16)
+            if await self.store.acquire_lock(lock, token) != "acquired":
+                return Prepared("held")  # (or the store is down: nothing could be stored)
+            try:
+                return await self._prepare(
+                    cut, compaction, summarizer, keys, budget, accept, tokens, threshold, target
+                )
+            finally:
+                await self.store.release_lock(lock, token)
         finally:
-            await self.store.release_lock(lock, token)
+            self._preparing.discard(lock)
+
+    async def _prepare(
+        self,
+        cut: Cut,
+        compaction: Summarizing,
+        summarizer: Summarizer,
+        keys: list[str],
+        budget: Budget,
+        accept: Callable[[int], bool],
+        tokens: int,
+        threshold: int,
+        target: Callable[[int], Awaitable[int]],
+    ) -> Prepared:
+        """`prepare` once the session's lock is taken."""
+        latest = cut.latest
+        stored = await self.store.lookup(keys, latest, accept)
+        forwarded = tokens
+        if stored:
+            entry = stored[0]
+            summary = compaction.summary_message(entry.text)
+            forwarded = await budget.count(cut.forward(summary, entry.length, entry.carried))
+        if forwarded < threshold:
+            return Prepared("ahead")
+        length = await target(forwarded)
+        if (stored and stored[0].length >= length) or not accept(length):
+            return Prepared("stored" if stored else "nothing")
+        base = stored[0] if stored else None
+        _, made = await self._make(
+            cut, compaction, summarizer, keys, budget, accept,
+            base.length if base else 0, length, base.text if base else None,
+            prepared=True,
+        )  # fmt: skip
+        if made is None:  # made meanwhile by a request that needed it
+            return Prepared("stored")
+        return Prepared("made", made.usage, length)
 
 
 def _next_stop(
