@@ -159,11 +159,10 @@ class SummaryPlanner:
         def forward(text: str, length: int, sticky: int | None = None) -> list[Message]:
             return cut.forward(compaction.summary_message(text), length, sticky)
 
-        if stored:  # the longest: the one whose tail is shortest, and already upstream-cached
-            entry = stored[0]
+        for entry in _reuse_order(stored):
             messages = forward(entry.text, entry.length, entry.carried)
             tokens = await budget.count(messages)
-            if tokens <= budget.tokens or reuse_only:
+            if tokens <= budget.tokens or (reuse_only and entry is stored[0]):
                 status: PlanStatus = "reused" if tokens <= budget.tokens else "over_budget"
                 prepared = self._first_use(keys, entry)
                 return Plan(
@@ -328,6 +327,10 @@ class SummaryPlanner:
         """`prepare` once the session's lock is taken."""
         latest = cut.latest
         stored = await self.store.lookup(keys, latest, accept)
+        used = next((entry for entry in stored if not entry.prepared), None)
+        ahead = next((entry for entry in stored if entry.prepared), None)
+        if ahead is not None and (used is None or ahead.length > used.length):
+            return Prepared("stored")  # made ahead already: waiting for the budget
         forwarded = tokens
         if stored:
             entry = stored[0]
@@ -347,6 +350,20 @@ class SummaryPlanner:
         if made is None:  # made meanwhile by a request that needed it
             return Prepared("stored")
         return Prepared("made", made.usage, length)
+
+
+def _reuse_order(stored: list[StoredSummary]) -> list[StoredSummary]:
+    """Which stored summaries to try as they are, first that fits: the longest (its tail is
+    the shortest, and it is already in the upstream's prompt cache), but one made ahead of
+    need and not used yet only once the longest of the others no longer fits, so a
+    session switches to it when it crosses the budget, not as soon as it is stored (the
+    forwarded prefix, and the prompt cache, stay as they are until then)."""
+    used = next((entry for entry in stored if not entry.prepared), None)
+    ahead = next((entry for entry in stored if entry.prepared), None)
+    order = [entry for entry in (used, ahead) if entry is not None]
+    if stored and stored[0] not in order:
+        order.append(stored[0])
+    return order
 
 
 def _next_stop(
