@@ -96,6 +96,7 @@ class Result:
     crossings: list[tuple[float, bool]] = field(default_factory=list)
     other_ms: list[float] = field(default_factory=list)
     turns: int = 0
+    forwarded: int = 0  # prompt tokens forwarded, all turns
     paid_turns: int = 0  # turns that called the summarizer themselves
     summarizer: SlowSummarizer | None = None  # every summarizer call, foreground or not
     made: int = 0
@@ -183,6 +184,7 @@ async def session(
             raise RuntimeError(f"{result.mode}: HTTP {response.status_code}: {response.text}")
         h = response.headers
         result.turns += 1
+        result.forwarded += int(h["x-compaction-tokens-after"])
         paid = int(h["x-compaction-summary-input-tokens"]) + int(
             h["x-compaction-summary-output-tokens"]
         )
@@ -267,7 +269,7 @@ def table(rows: list[tuple[str, Result]]) -> str:
     header = [
         "shape", "mode", "crossing turns (jumped)", "TTFB p50 ms", "TTFB p99 ms", "max ms",
         "p99 not jumped", "other p50 ms", "waited", "summ. calls", "summ. tokens",
-        "prepared made/used", "unused (tokens)",
+        "prepared made/used", "unused (tokens)", "forwarded tokens",
     ]  # fmt: skip
     lines = [header]
     for name, r in rows:
@@ -281,6 +283,7 @@ def table(rows: list[tuple[str, Result]]) -> str:
                 str(r.paid_turns), str(calls), f"{r.tokens:,}",
                 "-" if r.mode == "off" else f"{r.made}/{r.used}",
                 "-" if r.mode == "off" else f"{wasted} ({wasted_tokens:,})",
+                f"{r.forwarded:,}",
             ]
         )  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -338,6 +341,13 @@ async def main(argv: list[str] | None = None) -> int:
         f"{wasted:,} tokens (input + output)"
         if tokens["off"]
         else "no summaries"
+    )
+    sent = {"off": sum(r.forwarded for r in off), "on": sum(r.forwarded for r in on)}
+    everything = (sent["on"] + tokens["on"]) / (sent["off"] + tokens["off"]) - 1
+    print(
+        f"prompt tokens forwarded: off {sent['off']:,}, prepare_at {PREPARE_AT:g} "
+        f"{sent['on']:,} ({(sent['on'] - sent['off']) / sent['off']:+.1%}); all tokens "
+        f"(forwarded + summarizer): {everything:+.1%}"
     )
     ok = p99 is not None and p99 <= GOAL_P99_MS
     print(
