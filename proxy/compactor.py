@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal, Protocol
@@ -284,7 +284,9 @@ class Compactor:
             or outcome.tokens_before is None
         ):
             return outcome
-        forwarded = outcome.tokens_after or outcome.tokens_before
+        forwarded = outcome.tokens_after
+        if forwarded is None:  # forwarded as sent
+            forwarded = outcome.tokens_before
         threshold = math.ceil(share * outcome.budget)
         spans = None if parsed is None else parsed.spans
         cache = None if spans is None else spans.cache
@@ -306,11 +308,9 @@ class Compactor:
             partial(self.summarizer_for, self._summarizer_model(model), client_headers),
             None if spend is None else spend.detached(),
         )
-        marker = Ahead(outcome.summarized)
         work = partial(
             self._prepare,
             stages,
-            marker,
             body=body,
             parsed=parsed,
             model=model,
@@ -320,7 +320,8 @@ class Compactor:
             summarizer=summarizer,
             scope=scope,
         )
-        result = self.preparer.start(work)
+        marker = Ahead(outcome.summarized)
+        result = self.preparer.start(partial(_marked, marker, work))
         if result == "started" and cache is not None:
             cache.ahead = marker  # (this body's cache, and every later turn's)
         return replace(outcome, prepared=(*outcome.prepared, result))
@@ -328,7 +329,6 @@ class Compactor:
     async def _prepare(
         self,
         stages: tuple[Stage, ...],
-        marker: Ahead,
         *,
         body: dict[str, Any],
         parsed: Parsed | None,
@@ -340,40 +340,7 @@ class Compactor:
         scope: str,
     ) -> Prepared:
         """In the background: the history as the stages before the summarizing one would
-        forward it once over budget, then that stage's summary made ahead of need. The
-        session's `marker` dies when nothing came of it, so a later turn tries again."""
-        try:
-            prepared = await self._prepare_history(
-                stages,
-                body=body,
-                parsed=parsed,
-                model=model,
-                tokens=tokens,
-                budget=budget,
-                threshold=threshold,
-                summarizer=summarizer,
-                scope=scope,
-            )
-        except BaseException:
-            marker.live = False
-            raise
-        if prepared.status in ("ahead", "nothing"):
-            marker.live = False
-        return prepared
-
-    async def _prepare_history(
-        self,
-        stages: tuple[Stage, ...],
-        *,
-        body: dict[str, Any],
-        parsed: Parsed | None,
-        model: str,
-        tokens: int,
-        budget: int,
-        threshold: int,
-        summarizer: Summarizer,
-        scope: str,
-    ) -> Prepared:
+        forward it once over budget, then that stage's summary made ahead of need."""
         messages = body["messages"]
         spans = parsed.spans if parsed is not None else None
         if spans is not None and messages is not spans.messages:
@@ -584,6 +551,19 @@ class Compactor:
 # Outcomes after which a request may start a summary ahead of need: forwarded whole, or
 # within the budget by a summary or masking (over_budget: no summary would fit).
 _PREPARE_AFTER = frozenset({"passthrough", "compacted", "extended", "reused"})
+
+
+async def _marked(marker: Ahead, work: Callable[[], Awaitable[Prepared]]) -> Prepared:
+    """`work()`; the session's `marker` dies when nothing came of it (not needed yet,
+    nothing to summarize, a failure), so a later turn of the session tries again."""
+    try:
+        prepared = await work()
+    except BaseException:
+        marker.live = False
+        raise
+    if prepared.status in ("ahead", "nothing"):
+        marker.live = False
+    return prepared
 
 
 def _preparable(stages: tuple[Stage, ...]) -> tuple[Stage, ...] | None:
