@@ -6,7 +6,8 @@ chain hash of the prefix they cover, so a later request with the same prefix reu
 (no summarizer call, identical forwarded bytes) until it no longer fits the budget; then the
 stored summary is extended with only the new span. Cheapest first:
 
-1. reuse:  the longest stored prefix k <= the furthest cut whose result fits the budget;
+1. reuse:  the longest stored prefix k <= the furthest cut whose result fits the budget
+           (one made ahead of need: only once the longest other one no longer fits);
 2. extend: a stored prefix k < the cut exists: summarize [summary_k] + rest[k:cut];
 3. fresh:  nothing stored: summarize rest[:cut] (folding in chunks, each chunk's summary
            stored at its boundary so a later request can extend from it).
@@ -17,7 +18,9 @@ no boundary is left the result is `over_budget`: the smallest valid request, sai
 
 `SummaryStage` is the step of the request path (proxy/compaction/pipeline.py) that runs a
 `Summarizing` strategy this way: it sizes the kept tail, cuts, decides whether a summary
-can help at all, and plans.
+can help at all, and plans. Its `prepare` makes, in the background and before the budget
+is crossed, the summary that step will want then (proxy/preparer.py); stored marked as
+prepared, it is reused only once the summary a session uses no longer fits.
 """
 
 from __future__ import annotations
