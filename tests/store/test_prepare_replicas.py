@@ -20,7 +20,7 @@ from tests.conftest import until
 from tests.keys.conftest import KEY_A, key_entry, keyed_settings
 from tests.replay import coding_agent
 from tests.store.conftest import REDIS_URL
-from tests.test_prepare import BUDGET, Proxy
+from tests.test_prepare import BUDGET, Proxy, first_started
 from tests.upstream_fakes import FakeUpstream
 
 
@@ -56,9 +56,7 @@ async def test_two_replicas_prepare_a_session_once(
     a, b = replicas
     fake = FakeUpstream(gate=asyncio.Event()).install(upstream)
     session = coding_agent(60)
-    turn = 0
-    while (await a.send(session, turn)).headers.get("x-compaction-prepared") != "started":
-        turn += 1
+    turn = await first_started(a, session)
     await until(lambda: len(fake.summary_calls) == 1)
     assert len(await locks(redis_client, key_prefix)) == 1
     # The same turn reaches the other replica (a client's retry) while the first prepares.
@@ -91,9 +89,7 @@ async def test_a_replica_shut_down_while_preparing_lets_another_prepare(
     a, b = replicas
     fake = FakeUpstream(gate=asyncio.Event()).install(upstream)
     session = coding_agent(60)
-    turn = 0
-    while (await a.send(session, turn)).headers.get("x-compaction-prepared") != "started":
-        turn += 1
+    turn = await first_started(a, session)
     await until(lambda: len(fake.summary_calls) == 1)
     await a.state.compactor.aclose()  # its shutdown: the preparation is cancelled
     assert a.preparer.running == 0
