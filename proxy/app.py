@@ -135,6 +135,7 @@ def create_app(
             for task in (probe, connect):
                 if task is not None:
                     task.cancel()
+            await state.compactor.aclose()  # summaries being made ahead of need
             await source.close()
             await state.meter.join()
             if state.audit is not None:

@@ -15,8 +15,9 @@ so this module imports nothing of the web layer.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal, Protocol
@@ -58,8 +59,10 @@ from proxy.compaction.strategies import (
 from proxy.compaction.summarizer import CircuitBreaker, UpstreamSummarizer
 from proxy.errors import ProxyError
 from proxy.jsonspans import Parsed, Spans, spans_of
-from proxy.planner import SummaryOptions, SummaryPlanner, SummaryStage
+from proxy.planner import Prepared, SummaryOptions, SummaryPlanner, SummaryStage
+from proxy.preparer import PrepareObserver, Preparer
 from proxy.report import Decision, Outcome
+from proxy.sessioncache import Ahead
 from proxy.settings import ConfigError, Settings
 from proxy.store import CHAIN_VERSION, NullStore, SummaryFlight, SummaryStore, namespace_for
 from proxy.tokens.responses import ResponsesCounter, has_opaque
@@ -88,7 +91,7 @@ class PromptCounter(MessageCounter, Protocol):
     def close(self) -> None: ...
 
 
-class CompactionObserver(Protocol):
+class CompactionObserver(PrepareObserver, Protocol):
     """Told what the compaction step did (proxy.metrics.Metrics is one)."""
 
     def observe(self, outcome: Outcome, seconds: float) -> None: ...
@@ -105,6 +108,9 @@ class Control:
     mode: Literal["auto", "off", "force"] = "auto"
     budget: int | None = None
     strategy: str | None = None  # a proxy key's own strategy; None: compaction.strategy
+    # A proxy key's switch for summaries made ahead of need; None: no proxy key (then
+    # compaction.prepare_keyless says).
+    prepare: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -155,10 +161,11 @@ class Compactor:
         self.client = client
         self.store = store
         self.observer = observer
-        self.planner = SummaryPlanner(store, SummaryFlight(store))
+        config = settings.compaction
+        self.preparer = Preparer(store, config.prepare_max_concurrent, observer)
+        self.planner = SummaryPlanner(store, SummaryFlight(store), self.preparer.claim)
         unstored = NullStore()
         self.unstored_planner = SummaryPlanner(unstored, SummaryFlight(unstored))
-        config = settings.compaction
         summarizer = config.summarizer
         self.breaker = CircuitBreaker(
             summarizer.breaker_failures,
@@ -213,7 +220,12 @@ class Compactor:
         as the client's bytes and a turn derives only what its new messages add. When they
         are needed and not known yet, they are found and `parsed.spans` set (and
         `body["messages"]` replaced by the same values read from those bytes). `spend`: told
-        what each summarizer call costs as it answers."""
+        what each summarizer call costs as it answers.
+
+        When the outcome's `prepared` says "started", a summary is being made ahead of need
+        in the background (proxy/preparer.py): it reads `body`'s messages, so the caller
+        must not empty that list in place; its summarizer calls are accounted through
+        `spend.detached()`."""
         started = time.perf_counter()
         config = self.settings.compaction
         api = api or self.chat
@@ -235,9 +247,19 @@ class Compactor:
         budget = control.budget or config.budget_for(model)
         force = control.mode == "force"
         estimated = api.estimated(body)
+        ahead = partial(
+            self._ahead,
+            control=control,
+            body=body,
+            parsed=parsed,
+            client_headers=client_headers,
+            scope=scope,
+            spend=spend,
+            api=api,
+        )
         if not (tokens > budget or force):
             outcome = self._outcome(Decision("passthrough"), tokens, budget, estimated)
-            return self._report(outcome, model, started)
+            return self._report(ahead(outcome), model, started)
         if parsed is not None and spans is None:
             # The store keys hash the client's bytes of each message, whatever the body's size.
             spans = parsed.spans = await spans_of(parsed.raw, field)
@@ -265,7 +287,9 @@ class Compactor:
             ),
             control.strategy,
         )
-        return self._report(self._outcome(decision, tokens, budget, estimated), model, started)
+        return self._report(
+            ahead(self._outcome(decision, tokens, budget, estimated)), model, started
+        )
 
     def rules_for(self, budget: int) -> CutRules:
         """The cut rules for a request of this budget: the user's older asks carried after a
@@ -289,6 +313,133 @@ class Compactor:
         not all in the request: the Responses API's `previous_response_id`; a client's own
         compaction request), reported as every decision is."""
         return self._report(Outcome(status="skipped", reason=reason), model, time.perf_counter())
+
+    # -- summaries made ahead of need ---------------------------------------------------------
+
+    def _ahead(
+        self,
+        outcome: Outcome,
+        *,
+        control: Control,
+        body: dict[str, Any],
+        parsed: Parsed | None,
+        client_headers: dict[str, str],
+        scope: str | None,
+        spend: Spend | None,
+        api: Api,
+    ) -> Outcome:
+        """`outcome`, and a summary started ahead of need when its request is forwarded
+        with at least `compaction.prepare_at` of its budget (see proxy/preparer.py).
+        Only cheap checks here: the work, cut included, runs in the background."""
+        config = self.settings.compaction
+        share = config.prepare_share
+        allowed = control.prepare if control.prepare is not None else config.prepare_keyless
+        if (
+            share is None
+            or not allowed
+            or control.mode != "auto"
+            or scope is None
+            or self.store.backend is None
+            or not self.store.available
+            or outcome.status not in _PREPARE_AFTER
+            or outcome.budget is None
+            or outcome.tokens_before is None
+        ):
+            return outcome
+        forwarded = outcome.tokens_after
+        if forwarded is None:  # forwarded as sent
+            forwarded = outcome.tokens_before
+        threshold = math.ceil(share * outcome.budget)
+        spans = None if parsed is None else parsed.spans
+        cache = None if spans is None else spans.cache
+        started = None if cache is None else cache.ahead
+        if forwarded < threshold:
+            if started is not None:  # out of the band (crossed, or masked): next time anew
+                started.live = False
+            return outcome
+        if started is not None and started.live and started.basis == outcome.summarized:
+            return outcome  # an earlier turn of the session started it
+        model = model_of(body)
+        try:
+            stages = _preparable(self.stages_for(model, control.strategy, api.format))
+        except ValueError:  # a key's strategy that no longer loads: said by the decision
+            return outcome
+        if stages is None:
+            return outcome
+        summarizer = _Deferred(
+            partial(self.summarizer_for, self._summarizer_model(model), client_headers),
+            None if spend is None else spend.detached(),
+        )
+        work = partial(
+            self._prepare,
+            stages,
+            body=body,
+            parsed=parsed,
+            model=model,
+            tokens=outcome.tokens_before,
+            budget=outcome.budget,
+            threshold=threshold,
+            summarizer=summarizer,
+            scope=scope,
+            api=api,
+        )
+        marker = Ahead(outcome.summarized)
+        result = self.preparer.start(partial(_marked, marker, work))
+        if result == "started" and cache is not None:
+            cache.ahead = marker  # (this body's cache, and every later turn's)
+        return replace(outcome, prepared=(*outcome.prepared, result))
+
+    async def _prepare(
+        self,
+        stages: tuple[Stage, ...],
+        *,
+        body: dict[str, Any],
+        parsed: Parsed | None,
+        model: str,
+        tokens: int,
+        budget: int,
+        threshold: int,
+        summarizer: Summarizer,
+        scope: str,
+        api: Api,
+    ) -> Prepared:
+        """In the background: the history as the stages before the summarizing one would
+        forward it once over budget, then that stage's summary made ahead of need."""
+        counter, field = api.counter, api.field
+        messages = body[field]
+        spans = parsed.spans if parsed is not None else None
+        if spans is not None and messages is not spans.messages:
+            spans = None
+        if spans is None and parsed is not None:  # (the request path found none: not needed)
+            spans = await spans_of(parsed.raw, field)
+            if spans is not None:
+                messages = spans.messages  # the same values, read from the same bytes
+        counts = None if spans is None else await self.message_counts(model, spans, counter)
+        job = Job(
+            model=model,
+            budget=budget,
+            force=False,
+            counting=Counting(counter, model, counter.count_tools(model, body), spans, counts),
+            summarizer=summarizer,
+            format=api.format,
+            rules=self.rules_for(budget),
+            scope=scope,
+            spans=spans,
+            cache=None if spans is None else spans.cache,
+        )
+        described = await off_loop(len(messages), self._described, messages, job)
+        history = History(messages, tokens, described)
+        *before, last = stages
+        for stage in before:  # masking: deterministic, no LLM call
+            result = await stage.run(history, job)
+            if result.history is not None:
+                history = result.history
+        assert isinstance(last, SummaryStage)
+        return await last.prepare(history, job, threshold)
+
+    async def aclose(self) -> None:
+        """Cancel the summaries being made ahead of need (the app's shutdown)."""
+        await self.preparer.close()
 
     async def _decide(
         self, messages: list[Message], tokens: int, job: Job, strategy: str | None = None
@@ -467,6 +618,35 @@ class Compactor:
                 "duration_ms": round(seconds * 1000, 1),
             },
         )
+
+
+# Outcomes after which a request may start a summary ahead of need: forwarded whole, or
+# within the budget by a summary or masking (over_budget: no summary would fit).
+_PREPARE_AFTER = frozenset({"passthrough", "compacted", "extended", "reused"})
+
+
+async def _marked(marker: Ahead, work: Callable[[], Awaitable[Prepared]]) -> Prepared:
+    """`work()`; the session's `marker` dies when nothing came of it (not needed yet,
+    nothing to summarize, a failure), so a later turn of the session tries again."""
+    try:
+        prepared = await work()
+    except BaseException:
+        marker.live = False
+        raise
+    if prepared.status in ("ahead", "nothing"):
+        marker.live = False
+    return prepared
+
+
+def _preparable(stages: tuple[Stage, ...]) -> tuple[Stage, ...] | None:
+    """The stages up to the first summarizing one, when only masking comes before it (which
+    the background can run as the request path would, with no LLM call); else None."""
+    for index, stage in enumerate(stages):
+        if isinstance(stage, SummaryStage):
+            return stages[: index + 1]
+        if not isinstance(stage, MaskStage):
+            return None
+    return None
 
 
 class _Deferred:

@@ -99,12 +99,12 @@ def compacts(request: Request, caller: Caller, settings: Settings) -> bool:
 def key_control(request: Request, control: Control, key: ProxyKey) -> Control:
     """A key's compaction defaults; the request's own control headers still win."""
     if key.mode is None and key.budget_tokens is None and key.strategy is None:
-        return control  # nothing of the key's own
+        return Control(control.mode, control.budget, prepare=key.prepare)
     mode = control.mode
     if key.mode is not None and "x-compaction" not in request.headers:
         mode = key.mode
     budget = control.budget if control.budget is not None else key.budget_tokens
-    return Control(mode=mode, budget=budget, strategy=key.strategy)
+    return Control(mode=mode, budget=budget, strategy=key.strategy, prepare=key.prepare)
 
 
 def parse_control(request: Request) -> Control:

@@ -42,8 +42,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.errors import ProxyError
+from proxy.preparer import Result
 from proxy.quota.ledger import UsageCounts
-from proxy.report import Outcome
+from proxy.report import Outcome, Usage
 from proxy.store import SummaryStore
 
 if TYPE_CHECKING:
@@ -217,6 +218,24 @@ class Metrics:
             "many workers are in each state).",
             ("state",), "livesum",
         )  # fmt: skip
+        self.prepared_summaries = counter(
+            "prepared_summaries",
+            "Summaries made ahead of need, by result: started, done (made and stored), "
+            "skipped (none needed), failed, dropped (at compaction.prepare_max_concurrent), "
+            "cancelled (shutdown), used (a request was first forwarded with one). "
+            "done - used: made for sessions that have not crossed their budget (yet).",
+            ("result",),
+        )
+        self.prepared_tokens = counter(
+            "prepared_summary_tokens",
+            "Summarizer tokens (input + output) of summaries made ahead of need: spent, and "
+            "used (those of summaries a request was then forwarded with).",
+            ("use",),
+        )
+        self.preparing = gauge(
+            "prepared_summaries_running", "Summaries being made ahead of need now.", (),
+            "livesum",
+        )  # fmt: skip
         self.store_lookups = counter(
             "store_lookups",
             "Summary store lookups of compacting requests: hit, partial (extended), miss, or "
@@ -384,6 +403,19 @@ class Metrics:
             self.summarizer_calls.labels("ok" if failure is None else "error").inc()
         if failure is not None:
             self.summarizer_failures.labels(failure).inc()
+
+    def prepared(self, result: Result, usage: Usage, running: int) -> None:
+        """A summary made ahead of need (proxy/preparer.py) changed state."""
+        self._child(self.prepared_summaries, "prepared", result).inc()
+        tokens = usage.input_tokens + usage.output_tokens
+        if tokens:
+            if result == "used":
+                self._child(self.prepared_tokens, "prepared_tokens", "used").inc(tokens)
+            else:
+                self._child(self.prepared_tokens, "prepared_tokens", "spent").inc(tokens)
+                self.summarizer_tokens.labels("input").inc(usage.input_tokens)
+                self.summarizer_tokens.labels("output").inc(usage.output_tokens)
+        self.preparing.set(running)
 
     def breaker_changed(self, state: str) -> None:
         for name in _BREAKER_STATES:

@@ -23,6 +23,11 @@ Status = Literal[
 Cache = Literal["hit", "partial", "miss", "none"]
 # Whether the first user message (the task) reached the model verbatim or in the summary.
 Task = Literal["verbatim", "summarized"]
+# Summaries made ahead of need (proxy/preparer.py), as `x-compaction-prepared` says: started:
+# this request started a preparation in the background; dropped: it would have, but as many
+# as `compaction.prepare_max_concurrent` were running; used: the summary this request was
+# forwarded with was made ahead of need and this is the first request it served.
+Prepared = Literal["started", "dropped", "used"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class Decision:
     cache: Cache | None = None  # None: no store was consulted
     task: Task | None = None
     error: str | None = None  # what failed, for an error reply (never in headers)
+    prepared: bool = False  # the summary used was made ahead of need (its first use)
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Outcome:
     error: str | None = None
     rejected: bool = False
     seconds: float = 0.0  # time the step took, summarizer calls included
+    prepared: tuple[Prepared, ...] = ()
 
     @classmethod
     def of(
@@ -107,6 +114,7 @@ class Outcome:
             error=decision.error,
             rejected=rejected,
             seconds=seconds,
+            prepared=("used",) if decision.prepared else (),
         )
 
     def headers(self, overhead_ms: float | None = None) -> dict[str, str]:
@@ -128,6 +136,8 @@ class Outcome:
             headers["x-compaction-cache"] = self.cache
         if self.task is not None:
             headers["x-compaction-task"] = self.task
+        if self.prepared:
+            headers["x-compaction-prepared"] = ", ".join(self.prepared)
         if self.estimated:
             headers["x-compaction-tokens-estimated"] = "true"
         if overhead_ms is not None:

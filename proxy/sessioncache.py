@@ -7,11 +7,15 @@ conversation's structure (roles, which tool result answers which call). A body t
 one seen before starts with the same messages, so it starts with the same derived values and
 only its new messages need work.
 
-One `SessionCache` per parsed body holds all three. The turn memo (proxy/turnmemo.py) keeps
-the body, and with it this cache; a body parsed as the extension of a kept one gets
-`kept.extended()`. The compaction step reads and fills it through the argument it is given,
-never through globals. Nothing in it is changed in place once another body may share it:
-each value is replaced by a longer one, built from a copy.
+One `SessionCache` per parsed body holds all three, and one thing that is the session's
+rather than the body's: the summary being made ahead of need for it (`Ahead`), shared by
+every later turn's cache so that the turns between its start and the budget start no other.
+
+The turn memo (proxy/turnmemo.py) keeps the body, and with it this cache; a body parsed as
+the extension of a kept one gets `kept.extended()`. The compaction step reads and fills it
+through the argument it is given, never through globals. Nothing in it is changed in place
+once another body may share it: each value is replaced by a longer one, built from a copy
+(`Ahead` aside: its one flag is meant for every turn that shares it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from dataclasses import dataclass, field
 # one per profile or namespace in use; the oldest goes when a third comes.
 MAX_PROFILES = 2
 MAX_CHAINS = 2
+
+
+@dataclass(eq=False)
+class Ahead:
+    """A summary started ahead of need for a session (proxy/compactor.py). `basis`: the
+    messages the summary its request was forwarded with stands for (0: none); `live`
+    turns False when the preparation came to nothing, so a later turn may start one."""
+
+    basis: int
+    live: bool = True
 
 
 @dataclass(eq=False)
@@ -37,10 +51,13 @@ class SessionCache:
     # The conversation's structure (proxy.compaction.conversation.Described) of a prefix of
     # the body's messages, for the adapter that described it.
     described: object | None = None
+    # The session's latest summary started ahead of need (the same object in every later
+    # turn's cache).
+    ahead: Ahead | None = None
 
     def extended(self) -> SessionCache:
         """The cache of a body that starts with this body's messages."""
-        return SessionCache(dict(self.counts), dict(self.chains), self.described)
+        return SessionCache(dict(self.counts), dict(self.chains), self.described, self.ahead)
 
     def keep_counts(self, profile: str, counts: list[int]) -> None:
         if profile not in self.counts and len(self.counts) >= MAX_PROFILES:

@@ -229,6 +229,14 @@ class CompactionSettings(Section):
     summary_max_tokens: int = Field(2_000, gt=0)
     on_error: Literal["forward", "reject"] = "forward"
     custom_instruction: str = ""
+    # Summaries made ahead of need (proxy/preparer.py): a request forwarded with at least this
+    # share of its budget starts, in the background, the summary the compaction at the
+    # budget will want; "off" never does.
+    prepare_at: float | Literal["off"] = 0.8
+    # ...for requests without a proxy key too (their summaries are billed to no key).
+    prepare_keyless: bool = False
+    # Preparations running at once per process; one more is dropped (never queued).
+    prepare_max_concurrent: int = Field(16, gt=0)
     summarizer: SummarizerSettings = SummarizerSettings()
     models: dict[str, CompactionModelSettings] = {}
 
@@ -237,6 +245,13 @@ class CompactionSettings(Section):
     def _check_strategy(cls, value: str | list[str]) -> str | list[str]:
         if isinstance(value, list) and not value:
             raise ValueError("give at least one strategy")
+        return value
+
+    @field_validator("prepare_at")
+    @classmethod
+    def _check_prepare_at(cls, value: float | str) -> float | str:
+        if value != "off" and not 0 < float(value) < 1:
+            raise ValueError("a share of the budget between 0 and 1 (e.g. 0.8), or 'off'")
         return value
 
     @field_validator("injected_user_patterns")
@@ -248,6 +263,11 @@ class CompactionSettings(Section):
             except re.error as exc:
                 raise ValueError(f"not a regular expression: {pattern!r} ({exc})") from None
         return value
+
+    @property
+    def prepare_share(self) -> float | None:
+        """`prepare_at` as a number (None: off)."""
+        return None if self.prepare_at == "off" else float(self.prepare_at)
 
     def budget_for(self, model: str) -> int:
         override = self.models.get(model)
@@ -301,6 +321,8 @@ class PolicySettings(LimitSettings):
     strategy: str | None = None
     # The audit trail for this key's requests: true/false overrides [audit] enabled.
     audit: bool | None = None
+    # Summaries made ahead of need for this key (when compaction.prepare_at is on).
+    prepare: bool = True
 
 
 class KeySettings(PolicySettings):

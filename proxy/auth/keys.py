@@ -80,6 +80,7 @@ class ProxyKey:
     budget_tokens: int | None = None
     mode: Literal["auto", "off", "force"] | None = None
     strategy: str | None = None
+    prepare: bool = True  # summaries made ahead of need (compaction.prepare_at)
     limits: Limits = Limits()
     audit: bool | None = None  # None: as [audit] enabled says
     team: str | None = None
@@ -122,6 +123,7 @@ class ProxyKey:
             "mode": self.mode,
             "strategy": self.strategy,
             "audit": self.audit,
+            "prepare": self.prepare,
             **self.limits.as_dict(),
         }
 
@@ -254,6 +256,7 @@ def policy_key(
         origin=origin,
         upstream_api_key_env=policy.upstream_api_key_env,
         audit=policy.audit,
+        prepare=policy.prepare,
     )
 
 

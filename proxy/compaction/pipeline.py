@@ -166,6 +166,7 @@ class StageResult:
     summarized: int = 0
     masked: int = 0
     task: Task | None = None
+    prepared: bool = False  # its summary was made ahead of need (first used here)
 
 
 class StageError(Exception):
@@ -293,6 +294,7 @@ def _decision(
     summarized = sum(r.summarized for r in results if r.history is not None)
     masked = sum(r.masked for r in results if r.history is not None)
     task = next((r.task for r in reversed(results) if r.task is not None), None)
+    prepared = any(r.prepared for r in results if r.history is not None)
     changed = current is not original
     smaller = changed and current.tokens < original.tokens
     if failure is not None:
@@ -331,4 +333,5 @@ def _decision(
         usage=usage,
         cache=cache,
         task=task,
+        prepared=prepared,
     )

@@ -136,13 +136,31 @@ class Summarizing(Protocol):
 class Spend:
     """What one request's summarizer calls cost, added as each answers (however the
     request then ends: the upstream bills a call it answered). After `close(late)`,
-    usage that still comes in (a call another request kept waiting on) goes to `late`."""
+    usage that still comes in (a call another request kept waiting on) goes to `late`.
 
-    __slots__ = ("_late", "usage")
+    Calls made on the request's behalf but outside it (a summary prepared ahead of need,
+    which may answer long after the reply) are recorded on their own, never in the
+    request's reply: through `detached()`, by what `on_detached` was given."""
+
+    __slots__ = ("_apart", "_late", "usage")
 
     def __init__(self) -> None:
         self.usage = NO_USAGE  # (frozen: `add` makes a new one)
         self._late: Callable[[Usage], None] | None = None
+        self._apart: Callable[[Usage], None] | None = None
+
+    def on_detached(self, record: Callable[[Usage], None]) -> None:
+        """How the usage of detached calls is recorded (the usage tap's summarizer rows)."""
+        self._apart = record
+
+    def detached(self) -> Spend | None:
+        """A Spend for calls made on this request's behalf that may outlive it: their usage
+        is recorded as each answers. None: nothing would record it."""
+        if self._apart is None:
+            return None
+        spend = Spend()
+        spend.close(self._apart)
+        return spend
 
     def add(self, usage: Usage) -> None:
         if not (usage.input_tokens or usage.output_tokens):

@@ -30,6 +30,9 @@ class StoredSummary:
     # The position of the user message forwarded verbatim after it when it was made (kept
     # on reuse, so the forwarded prefix stays the same); None: none.
     carried: int | None = None
+    # Made ahead of need (proxy/preparer.py) and not used yet: the first request it serves
+    # says so (x-compaction-prepared: used) and stores it again without the mark.
+    prepared: bool = False
 
     def encode(self) -> bytes:
         """Compact JSON; also the size the memory backend charges against its byte bound."""
@@ -46,6 +49,8 @@ class StoredSummary:
         }
         if self.carried is not None:
             data["carried"] = self.carried
+        if self.prepared:
+            data["prepared"] = True
         return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(
             "utf-8", errors="surrogatepass"
         )
@@ -62,6 +67,7 @@ class StoredSummary:
             input_tokens, output_tokens = usage["input_tokens"], usage["output_tokens"]
             created_at = data["created_at"]
             carried = data.get("carried")
+            prepared = data.get("prepared", False)
         except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed stored summary: {type(exc).__name__}") from None
         ints = (length, tokens, input_tokens, output_tokens)
@@ -71,8 +77,10 @@ class StoredSummary:
             raise ValueError("malformed stored summary: created_at")
         if carried is not None and not _is_int(carried):
             raise ValueError("malformed stored summary: carried")
+        if not isinstance(prepared, bool):
+            raise ValueError("malformed stored summary: prepared")
         usage = Usage(input_tokens, output_tokens)
-        return cls(text, length, tokens, usage, float(created_at), carried)
+        return cls(text, length, tokens, usage, float(created_at), carried, prepared)
 
 
 def _is_int(value: object) -> bool:

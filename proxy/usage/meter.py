@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -391,6 +392,32 @@ def content_encoding(headers: httpx.Headers) -> str:
     return ", ".join(headers.get_list("content-encoding"))
 
 
+def summarizer_usage(
+    meter: Meter,
+    key_id: str,
+    model: str,
+    summary: Usage,
+    team: str | None = None,
+    user: str = "",
+) -> None:
+    """Summarizer calls alone (not a request), for a key (its team, the request's end
+    user) and the model of its request."""
+    if not (summary.input_tokens or summary.output_tokens):
+        return
+    cost, _ = meter.cost_nano(model, summary, 0, 0, 0)
+    meter.add(
+        key_id,
+        model,
+        UsageCounts(
+            summarizer_prompt_tokens=summary.input_tokens,
+            summarizer_completion_tokens=summary.output_tokens,
+            cost_nano_usd=cost,
+        ),
+        team=team,
+        user=user,
+    )
+
+
 class ChatTap:
     """One chat reply's accounting; satisfies `proxy.upstream.ReplyTap`.
 
@@ -421,6 +448,8 @@ class ChatTap:
         self.spend = spend
         self.team = team
         self.user = user
+        if spend is not None:  # a summary prepared ahead of need: the key's, on its own
+            spend.on_detached(partial(summarizer_usage, meter, key_id, model, team=team, user=user))
         self.status = 0
         self.reservation: Reservation | None = None
         self._stream: StreamTap | None = None
@@ -498,21 +527,7 @@ class ChatTap:
 
     def _summarized(self, summary: Usage) -> None:
         """Summarizer calls alone (not a request)."""
-        if not (summary.input_tokens or summary.output_tokens):
-            return
-        meter, model = self.meter, self.model
-        cost, _ = meter.cost_nano(model, summary, 0, 0, 0)
-        meter.add(
-            self.key_id,
-            model,
-            UsageCounts(
-                summarizer_prompt_tokens=summary.input_tokens,
-                summarizer_completion_tokens=summary.output_tokens,
-                cost_nano_usd=cost,
-            ),
-            team=self.team,
-            user=self.user,
-        )
+        summarizer_usage(self.meter, self.key_id, self.model, summary, self.team, self.user)
 
     def _finish(
         self, billable: bool, reported: ReportedUsage | None, events: int
