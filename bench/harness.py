@@ -155,10 +155,19 @@ def exit_status(pid: int) -> int | None:
 
 
 @contextmanager
-def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """Run `cmd` (pinned to the server CPU) until the block ends."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.Popen(_pin(SERVER_CPU, cmd), env=full_env, cwd=ROOT)
+def server(
+    cmd: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    *,
+    cwd: Path = ROOT,
+    quiet: bool = False,
+) -> Iterator[Server]:
+    """Run `cmd` (pinned to the server CPU) in `cwd` until the block ends (`quiet`: its
+    standard output discarded, for a server that draws on the terminal)."""
+    full_env = {**os.environ, "PYTHONPATH": str(cwd), **(env or {})}
+    output = subprocess.DEVNULL if quiet else None
+    proc = subprocess.Popen(_pin(SERVER_CPU, cmd), env=full_env, cwd=cwd, stdout=output)
     try:
         _wait_listening(port, proc)
         # uvicorn listens once the lifespan's start-up is done; taskset execs, so this is
@@ -260,12 +269,17 @@ def load(
     duration: float,
     warmup: float,
     server_pid: int | None = None,
+    headers: Sequence[str] = (),
 ) -> Result:
+    """One cell of closed-loop load (bench/loadgen.py); `headers`: `name: value` lines added
+    to each request."""
     cmd = [
         sys.executable, "-m", "bench.loadgen", "--port", str(port),
         "--concurrency", str(concurrency), "--body", body,
         "--duration", str(duration), "--warmup", str(warmup),
     ]  # fmt: skip
+    for line in headers:
+        cmd += ["--header", line]
     if stream:
         cmd.append("--stream")
     cpu0 = cpu_seconds(server_pid) if server_pid else float("nan")

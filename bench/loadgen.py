@@ -56,10 +56,12 @@ def chat_body(kind: str, stream: bool) -> bytes:
     return json.dumps({"model": "gpt-4o-mini", "messages": messages, "stream": stream}).encode()
 
 
-def build_request(host: str, port: int, body: bytes) -> bytes:
+def build_request(host: str, port: int, body: bytes, extra: list[str] | None = None) -> bytes:
+    """`extra`: more header lines (`name: value`), e.g. a peer's routing headers."""
+    lines = "".join(f"{line}\r\n" for line in extra or [])
     head = (
         f"POST {PATH} HTTP/1.1\r\nHost: {host}:{port}\r\ncontent-type: application/json\r\n"
-        f"authorization: Bearer sk-bench\r\ncontent-length: {len(body)}\r\n\r\n"
+        f"authorization: Bearer sk-bench\r\n{lines}content-length: {len(body)}\r\n\r\n"
     ).encode()
     return head + body
 
@@ -105,7 +107,7 @@ class ClientProtocol(asyncio.Protocol):
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     loop = asyncio.get_running_loop()
-    request = build_request(args.host, args.port, chat_body(args.body, args.stream))
+    request = build_request(args.host, args.port, chat_body(args.body, args.stream), args.header)
     latencies: list[float] = []
     errors = 0
     total = 0  # every completed request, warm-up included (for CPU time per request)
@@ -219,6 +221,9 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--duration", type=float, default=3.0)
     parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument(
+        "--header", action="append", default=[], help="`name: value`, added to each request"
+    )
     args = parser.parse_args()
     import uvloop
 

@@ -12,9 +12,11 @@ backend: the quota check, usage accounting and stream usage tap on every request
 CPU, as the upstream is, so Redis never runs on the server's CPU and no one else's traffic
 reaches it; `--redis shared` uses 127.0.0.1:6379 under a random prefix), `litellm` (LiteLLM's proxy,
 pinned version, in its own venv, one worker, routed to the same upstream: bench/litellm_peer.py;
-bench/peers.py runs the comparison). Each is a server subprocess pinned to CPU 0; upstream
-and load generator share CPU 1 (see bench/harness.py). Repeats are interleaved across
-targets and the per-metric median is printed; added p50 = p50 - direct p50.
+bench/peers.py runs the comparison), `portkey` (Portkey's gateway, pinned, from npm into its own
+folder, routed by request headers: bench/portkey_peer.py), `baseline` (this proxy from another
+source tree, `--baseline PATH`: a before/after in one run). Each is a server subprocess
+pinned to CPU 0; upstream and load generator share CPU 1 (see bench/harness.py). Repeats are
+interleaved across targets and the per-metric median is printed; added p50 = p50 - direct p50.
 A server that dies mid-run (LiteLLM once segfaulted under this load) is started again; its
 exit and the cell it died in are printed under the table, and its failed requests are errors.
 `RSS MB` is the server's highest VmRSS sampled during the cell (max over repeats); a second
@@ -48,7 +50,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from bench import harness, litellm_peer
+from bench import harness, litellm_peer, portkey_peer
 
 # The load generator sends `Authorization: Bearer sk-bench`.
 _BENCH_KEY = {
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
     parser.add_argument(
         "--targets",
         nargs="+",
-        choices=["relay", "proxy", *KEY_TARGETS, "litellm"],
+        choices=["relay", "proxy", "baseline", *KEY_TARGETS, "litellm", "portkey"],
         default=["relay", "proxy"],
     )
     parser.add_argument(
@@ -103,6 +105,19 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
     parser.add_argument(
         "--litellm-venv", type=Path, default=None,
         help="its venv (default: ~/.cache/compaction-proxy-bench/litellm-<version>)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--portkey-version", default=portkey_peer.PINNED_VERSION,
+        help="the @portkey-ai/gateway release for the `portkey` target (installed if missing)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--portkey-dir", type=Path, default=None,
+        help="its folder (default: ~/.cache/compaction-proxy-bench/portkey-<version>)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="a source tree of this proxy (e.g. `git worktree add /tmp/base main`): the "
+        "`baseline` target runs it, beside `proxy` from this tree",
     )  # fmt: skip
     parser.add_argument("--duration", type=float, default=2.0)
     parser.add_argument("--warmup", type=float, default=0.5)
@@ -122,6 +137,12 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
     if "litellm" in args.targets:
         venv = args.litellm_venv or litellm_peer.default_venv(args.litellm_version)
         litellm_venv = litellm_peer.ensure_venv(venv, args.litellm_version)
+    portkey_dir = None
+    if "portkey" in args.targets:
+        folder = args.portkey_dir or portkey_peer.default_dir(args.portkey_version)
+        portkey_dir = portkey_peer.ensure_installed(folder, args.portkey_version)
+    if "baseline" in args.targets and args.baseline is None:
+        parser.error("the baseline target needs --baseline PATH")
 
     harness.warn_without_tokenizer()
     env: dict[str, str] = {}
@@ -136,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
         env |= {"BENCH_UPSTREAM": up_url, "COMPACTION_PROXY_UPSTREAM__BASE_URL": f"{up_url}/v1"}
         env |= {"COMPACTION_PROXY_SERVER__LOG_LEVEL": "warning"}
         launch: dict[str, Callable[[], AbstractContextManager[harness.Server]]] = {}
+        headers: dict[str, list[str]] = {}  # per target: routing headers on each request
         for kind in args.servers:
             for name in args.targets:
                 label = name if args.servers == ["uvloop"] else f"{name}/{kind}"
@@ -150,10 +172,21 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
                         env | litellm_peer.server_env(),
                     )
                     continue
+                if name == "portkey":
+                    if "portkey" in launch:
+                        continue  # node, whatever --servers
+                    assert portkey_dir is not None
+                    launch["portkey"] = _launcher(
+                        lambda port, d=portkey_dir: portkey_peer.command(d, port), env, quiet=True
+                    )
+                    headers["portkey"] = portkey_peer.request_headers(f"{up_url}/v1")
+                    continue
                 app = apps.get(name, apps["proxy"])
+                tree = args.baseline.resolve() if name == "baseline" else harness.ROOT
                 launch[label] = _launcher(
                     lambda port, a=app, k=kind: harness.uvicorn_cmd(a, port, k),
                     env | key_env(name, redis_url),
+                    cwd=tree,
                 )
         targets: dict[str, harness.Server | None] = {"direct": None}
         for label, start in launch.items():
@@ -169,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
                             r = _load(
                                 incidents, where, port, conc, body, stream == "yes",
                                 args.duration, args.warmup, None if srv is None else srv.pid,
+                                headers.get(label, []),
                             )  # fmt: skip
                             results.setdefault((label, conc, body, stream), []).append(r)
                             status = None if srv is None else harness.exit_status(srv.pid)
@@ -180,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
         hwm = {label: harness.memory_mb(srv.pid)[1] for label, srv in targets.items() if srv}
 
     if litellm_venv is not None:
-        print(f"\nversions: {_versions(litellm_venv)}")
+        print(f"\nversions: {_versions(litellm_venv, portkey_dir)}")
     print(
         f"\noverhead: {args.repeats} interleaved repeat(s) x {args.duration}s, medians; "
         f"pinned={harness.PINNED}/{harness.PIN} (server CPU {harness.SERVER_CPU}, "
@@ -212,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[Cell, harness.Result]:
                     ]  # fmt: skip
                     if peer:
                         lite = med[("litellm", conc, body, stream)]
-                        mine = label not in ("direct", "litellm")
+                        mine = label not in ("direct", "litellm", "portkey")
                         vs_lite = ratio(r.rps, lite.rps) if mine else ""
                         row.insert(header.index("req/s vs litellm"), vs_lite)
                     rows.append(row)
@@ -259,24 +293,28 @@ def _paired(
 
 
 def _launcher(
-    cmd_for_port: Callable[[int], list[str]], env: dict[str, str]
+    cmd_for_port: Callable[[int], list[str]],
+    env: dict[str, str],
+    *,
+    cwd: Path = harness.ROOT,
+    quiet: bool = False,
 ) -> Callable[[], AbstractContextManager[harness.Server]]:
     """Starts the server on a fresh port each call (a restart after a crash gets a new one)."""
 
     def start() -> AbstractContextManager[harness.Server]:
         port = harness.free_port()
-        return harness.server(cmd_for_port(port), port, env)
+        return harness.server(cmd_for_port(port), port, env, cwd=cwd, quiet=quiet)
 
     return start
 
 
 def _load(
     incidents: list[str], where: str, port: int, conc: int, body: str, stream: bool,
-    duration: float, warmup: float, pid: int | None,
+    duration: float, warmup: float, pid: int | None, headers: list[str],
 ) -> harness.Result:  # fmt: skip
     """One cell; a load generator that fails or hangs is an incident, not the end of the run."""
     try:
-        return harness.load(port, conc, body, stream, duration, warmup, pid)
+        return harness.load(port, conc, body, stream, duration, warmup, pid, headers)
     except (subprocess.SubprocessError, ValueError) as exc:
         incidents.append(f"{where}: the load generator failed ({type(exc).__name__})")
         return harness.Result(0.0, float("nan"), float("nan"), 1)
@@ -286,7 +324,7 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "-"
 
 
-def _versions(litellm_venv: Path) -> str:
+def _versions(litellm_venv: Path, portkey_dir: Path | None = None) -> str:
     """What a re-run must match: both proxies' versions (ours with its commit), Python, box."""
     ours = importlib.metadata.version("compaction-proxy")
     commit = subprocess.run(
@@ -294,12 +332,19 @@ def _versions(litellm_venv: Path) -> str:
         capture_output=True, text=True, check=False,
     ).stdout.strip()  # fmt: skip
     lite = litellm_peer.installed_version(litellm_venv)
+    portkey = "" if portkey_dir is None else portkey_peer.installed_version(portkey_dir)
     cpus = len(os.sched_getaffinity(0))
     return (
         f"compaction-proxy {ours} ({commit or 'no git'}), LiteLLM {lite}, "
-        f"Python {platform.python_version()}, {platform.machine()} x {cpus} CPUs, "
+        + (f"Portkey gateway {portkey} (node {_node_version()}), " if portkey else "")
+        + f"Python {platform.python_version()}, {platform.machine()} x {cpus} CPUs, "
         f"{platform.system()} {platform.release()}"
     )
+
+
+def _node_version() -> str:
+    done = subprocess.run(["node", "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "?"
 
 
 def _memory(

@@ -1,15 +1,18 @@
 """Which upstream transport for httpx? The bare relay (bench/relay.py) run with each candidate.
 
     python -m bench.transports [--duration 3] [--repeats 1] [--concurrency 1 16 64]
+                               [--baseline PATH]
 
 Candidates (all behind the same `httpx.AsyncClient` API):
-  httpx           httpx.AsyncClient() as one writes it (100 connections, 20 kept alive)
+  httpx           httpx.AsyncClient() as one writes it (httpcore: 100 connections, 20 kept)
   httpx-limits    plain httpx with our settings' limits (1000 connections, 200 kept alive)
-  httpcore-linear httpcore's pool with `_assign_requests_to_connections` rewritten linear
   sharded-8       8 small httpcore pools behind one transport, least-loaded first
   httpx-aiohttp   the httpx-aiohttp package's AiohttpTransport (pip install httpx-aiohttp)
+  proxy           proxy.transport.create_upstream_client: aiohttp behind the app's own thin
+                  transport (what the proxy runs)
+  wire            (only with --baseline PATH) the same from another source tree: the small
+                  httptools client the proxy had before aiohttp (`proxy.wire`)
   httpx-h2        (only with --h2) httpx over HTTP/2 to an h2c upstream: hypercorn + h2
-  proxy           proxy.transport.create_upstream_client (proxy.wire; aiohttp before)
 """
 
 from __future__ import annotations
@@ -18,51 +21,14 @@ import argparse
 import contextlib
 import math
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
-import httpcore
 import httpx
 
 from bench import harness
 
 LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=30)
-NAMES = ["httpx", "httpx-limits", "httpcore-linear", "sharded-8", "httpx-aiohttp", "proxy"]
-
-
-class LinearPool(httpcore.AsyncConnectionPool):
-    """httpcore's pool minus the O(connections^2) idle count (and counting idle ones only)."""
-
-    def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
-        closing: list[httpcore.AsyncConnectionInterface] = []
-        idle = sum(1 for c in self._connections if c.is_idle())
-        kept: list[httpcore.AsyncConnectionInterface] = []
-        for connection in self._connections:
-            if connection.is_closed():
-                continue
-            if connection.has_expired() or (
-                connection.is_idle() and idle > self._max_keepalive_connections
-            ):
-                idle -= connection.is_idle()
-                closing.append(connection)
-                continue
-            kept.append(connection)
-        self._connections = kept
-        for pool_request in [r for r in self._requests if r.is_queued()]:
-            origin = pool_request.request.url.origin
-            for connection in self._connections:
-                if connection.can_handle_request(origin) and connection.is_available():
-                    pool_request.assign_to_connection(connection)
-                    break
-            else:
-                if len(self._connections) >= self._max_connections:
-                    idle_ones = [c for c in self._connections if c.is_idle()]
-                    if not idle_ones:
-                        break
-                    self._connections.remove(idle_ones[0])
-                    closing.append(idle_ones[0])
-                connection = self.create_connection(origin)
-                self._connections.append(connection)
-                pool_request.assign_to_connection(connection)
-        return closing
+NAMES = ["httpx", "httpx-limits", "sharded-8", "httpx-aiohttp", "proxy"]
 
 
 class _Counted(httpx.AsyncByteStream):
@@ -122,15 +88,6 @@ def make_client(name: str) -> httpx.AsyncClient:
         return httpx.AsyncClient()
     if name == "httpx-limits":
         return httpx.AsyncClient(limits=LIMITS)
-    if name == "httpcore-linear":
-        transport = httpx.AsyncHTTPTransport(limits=LIMITS)
-        transport._pool = LinearPool(
-            ssl_context=httpx.create_ssl_context(),
-            max_connections=LIMITS.max_connections,
-            max_keepalive_connections=LIMITS.max_keepalive_connections,
-            keepalive_expiry=LIMITS.keepalive_expiry,
-        )
-        return httpx.AsyncClient(transport=transport)
     if name.startswith("sharded-"):
         return httpx.AsyncClient(transport=ShardedTransport(int(name.split("-")[1]), LIMITS))
     if name == "httpx-h2":  # prior-knowledge HTTP/2 (h2c): needs `pip install h2`
@@ -158,16 +115,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--server", choices=["uvloop", "asyncio"], default="uvloop")
     parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="another source tree: adds the `wire` candidate (its `proxy` transport)",
+    )  # fmt: skip
+    parser.add_argument(
         "--h2", action="store_true", help="hypercorn upstream (h1 + h2c); default transports "
         "httpx, httpx-h2, proxy (needs `pip install h2 hypercorn`)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.h2 and args.transports == NAMES:
         args.transports = ["httpx", "httpx-h2", "proxy"]
+    if args.baseline is not None and "wire" not in args.transports:
+        args.transports.append("wire")
 
     results: dict[tuple[str, int, str], list[harness.Result]] = {}
     kind = "hypercorn" if args.h2 else "fast"
-    with harness.upstream(kind) as up_port, _relays(args.transports, up_port, args.server) as ports:
+    with (
+        harness.upstream(kind) as up_port,
+        _relays(args.transports, up_port, args.server, args.baseline) as ports,
+    ):
         for _ in range(args.repeats):
             for conc in args.concurrency:
                 for stream in args.stream:
@@ -202,15 +168,24 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def _relays(names: list[str], up_port: int, kind: str) -> Iterator[dict[str, harness.Server]]:
-    """One relay per transport, all pinned to the server CPU (idle ones cost nothing)."""
+def _relays(
+    names: list[str], up_port: int, kind: str, baseline: Path | None = None
+) -> Iterator[dict[str, harness.Server]]:
+    """One relay per transport, all pinned to the server CPU (idle ones cost nothing); `wire`
+    is the baseline tree's relay with its own `proxy` transport."""
     with contextlib.ExitStack() as stack:
         servers = {}
         for name in names:
             port = harness.free_port()
-            env = {"BENCH_UPSTREAM": f"http://127.0.0.1:{up_port}", "BENCH_TRANSPORT": name}
+            tree = harness.ROOT
+            transport = name
+            if name == "wire":
+                if baseline is None:
+                    raise ValueError("the wire candidate needs --baseline PATH")
+                tree, transport = baseline.resolve(), "proxy"
+            env = {"BENCH_UPSTREAM": f"http://127.0.0.1:{up_port}", "BENCH_TRANSPORT": transport}
             cmd = harness.uvicorn_cmd("bench.relay:create_app", port, kind)
-            servers[name] = stack.enter_context(harness.server(cmd, port, env))
+            servers[name] = stack.enter_context(harness.server(cmd, port, env, cwd=tree))
         yield servers
 
 

@@ -25,7 +25,6 @@ from proxy.auth.metrics import KeysCollector
 from proxy.chat import chat_completions
 from proxy.compactor import Compactor, PromptCounter
 from proxy.compress import compress
-from proxy.egress import proxy_for
 from proxy.errors import ProxyError
 from proxy.exchange import ExchangeMiddleware
 from proxy.logs import AccessLog
@@ -42,11 +41,11 @@ from proxy.startup import startup_fields
 from proxy.state import ProxyState
 from proxy.store import create_store
 from proxy.tokens import TokenCounter
-from proxy.transport import ServedTransport, create_upstream_client, needs_https, upstream_limits
+from proxy.transport import UpstreamTransport, create_upstream_client
 from proxy.turnmemo import TurnMemo
 from proxy.upstream import Upstream, UpstreamBrokeOff
 from proxy.usage import Meter, Pricing
-from proxy.warmup import preconnect, start_probe, warm_up
+from proxy.warmup import start_probe, warm_up
 
 log = logging.getLogger("proxy.app")
 
@@ -65,21 +64,19 @@ def create_app(
     whose lifespan closes the pooled client on shutdown. Raises TokenizerUnavailable when
     the tokenizer files cannot be loaded (and `tokenizer.on_missing = "fail"`).
 
-    `transport` carries every upstream request (forwarded and summarizer calls). By default
-    it is httpx's own until a server runs the lifespan, the app's own from then on (see
-    `ServedTransport`): respx sees an in-process app's requests, a served app is fast. The
-    lifespan makes its TLS context at start when the upstream's or the summarizer's URL is
-    https and reached directly.
+    `transport` carries every upstream request (forwarded and summarizer calls), egress
+    proxies unread, as in httpx: a mock, or `httpx.AsyncHTTPTransport()` for respx's default
+    mode to see the requests. Without one, the app's own (`UpstreamTransport`: aiohttp, and
+    httpx's transport through an egress proxy), in-process and served alike; its lifespan
+    makes the TLS context at start when the upstream's or the summarizer's URL is https.
     """
     settings = settings or Settings()
     if counter is None:
         token_counter = TokenCounter(settings)
         token_counter.load()
         counter = token_counter
-    served = None
-    if transport is None:
-        transport = served = ServedTransport(upstream_limits(settings.upstream))
-    client = create_upstream_client(settings.upstream, transport)
+    own = UpstreamTransport.for_settings(settings.upstream) if transport is None else None
+    client = create_upstream_client(settings.upstream, transport or own)
     store = create_store(settings.cache)
     metrics = Metrics(store, token=_metrics_token(settings))
     ledger = create_ledger(settings)
@@ -98,7 +95,7 @@ def create_app(
     source = KeySource(settings.auth, store=create_key_store(settings))
     state = ProxyState(
         settings=settings,
-        upstream=Upstream(client, settings.upstream),
+        upstream=Upstream(client, settings.upstream, None if own is None else lambda: own.slots),
         counter=counter,
         compactor=Compactor(settings, counter, client, store, metrics),
         gate=Gate(settings, source),
@@ -115,16 +112,13 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         upstream = redact_url(settings.upstream.base_url)
         log.info("proxying to %s", upstream, extra=startup_fields(settings))
-        through = proxy_for(client, settings.upstream.base_url)
-        if through is not None:
-            log.info("upstream requests go through the proxy %s", through)
-        if served is not None:
-            summarizer = settings.compaction.summarizer.base_url or settings.upstream.base_url
-            served.serve(https=needs_https(client, (settings.upstream.base_url, summarizer)))
-        await warm_up(state, served, metrics)
-        probe = connect = None
-        if served is not None and served.served:
-            connect = await preconnect(state, settings.server.warm_connect_s)
+        if own is not None:
+            through = own.proxy_for(settings.upstream.base_url)
+            if through is not None:
+                log.info("upstream requests go through the proxy %s", through)
+        await warm_up(state, own, metrics)
+        probe = None
+        if own is not None:
             probe = await start_probe(readiness, settings.server.warm_probe_s)
         reload_on_sighup(source)
         await source.start()
@@ -132,9 +126,8 @@ def create_app(
             async with metrics.running():
                 yield
         finally:
-            for task in (probe, connect):
-                if task is not None:
-                    task.cancel()
+            if probe is not None:
+                probe.cancel()
             await state.compactor.aclose()  # summaries being made ahead of need
             await source.close()
             await state.meter.join()

@@ -76,9 +76,8 @@ class ServerSettings(Section):
     # leaves a pooled connection open, so the first request does not open one. The start waits
     # for it at most this many seconds (then it goes on in the background); 0: no start probe.
     warm_probe_s: float = Field(0.0, ge=0, le=10)
-    # At start, open one upstream connection (TCP, TLS for https) into the pool without
-    # sending a request, so the first request skips the handshake. The start waits for it
-    # at most this many seconds (then it goes on in the background); 0: none opened.
+    # No longer used (the upstream client opens a connection only for a request; see
+    # warm_probe_s): still accepted, so existing configurations load.
     warm_connect_s: float = Field(1.0, ge=0, le=10)
     # Worker processes (uvicorn workers sharing the port). Each has its own memory store and
     # circuit breaker; cache.backend = "redis" shares summaries between them.

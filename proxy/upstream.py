@@ -7,7 +7,7 @@ streaming and non-streaming responses take the same path and memory stays flat.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Protocol
 
 import anyio
@@ -16,7 +16,6 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from proxy.clearance import Clearance
 from proxy.disconnect import DisconnectWatch
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.headers import (
@@ -30,15 +29,7 @@ from proxy.headers import (
 from proxy.paths import quote_query
 from proxy.redact import host_of
 from proxy.settings import UpstreamSettings
-from proxy.transport import (
-    PoolSlots,
-    arrived,
-    closes_at_once,
-    direct_transport,
-    ended,
-    pool_slots,
-    read_whole,
-)
+from proxy.transport import PoolSlots, UnrelayableReply, UnsendableHeader
 
 log = logging.getLogger("proxy.upstream")
 
@@ -47,6 +38,8 @@ RequestContent = bytes | AsyncIterator[bytes]
 # httpx's errors raised before a request is written (refused or unresolvable, a URL it
 # cannot send to; PoolTimeout and ConnectTimeout too): the upstream never saw the request.
 _UNSENT = (httpx.ConnectError, httpx.UnsupportedProtocol)
+# Dropped from a reply whose body the proxy may change (see `relay`).
+_LENGTH = b"content-length"
 
 # Replies up to this size with a Content-Length are read whole before answering (see relay).
 WHOLE_REPLY_BYTES = 256 * 1024
@@ -96,15 +89,24 @@ class UpstreamBrokeOff(Exception):
 
 
 class Upstream:
-    """The upstream API behind the proxy: one base URL, one shared pooled client."""
+    """The upstream API behind the proxy: one base URL, one shared pooled client.
 
-    def __init__(self, client: httpx.AsyncClient, settings: UpstreamSettings) -> None:
+    `pool`: the pool slots of the client's transport, when the app built it (a transport
+    given to `create_app`, a mock, keeps no such count)."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        settings: UpstreamSettings,
+        pool: Callable[[], PoolSlots] | None = None,
+    ) -> None:
         self.client = client
         self.base_url = settings.base_url
         self.host = host_of(settings.base_url)
         self.timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
         self._timeouts = self.timeout.as_dict()
         self._urls: dict[str, httpx.URL] = {}
+        self._pool = pool
 
     def url_for(self, path: str, query: bytes = b"") -> str:
         """`path` is already a URL path (percent-encoded as the client wrote it)."""
@@ -129,9 +131,8 @@ class Upstream:
         return self._url(path, b"")
 
     def pool_slots(self) -> PoolSlots | None:
-        """In-use and free connection slots towards the upstream (None: not counted, as for
-        httpx's own transport in-process)."""
-        return pool_slots(self.client)
+        """In-use and free connection slots towards the upstream (None: not counted)."""
+        return None if self._pool is None else self._pool()
 
     async def open(
         self,
@@ -141,51 +142,16 @@ class Upstream:
         headers: Headers,
         content: RequestContent | None,
         query: bytes = b"",
-        clearance: Clearance | None = None,
     ) -> httpx.Response:
         """Send the request and return once the upstream's status and headers are in.
 
         The body is left unread (`stream=True`); the caller relays it and must close it.
-        Header values go out as the bytes the client sent. With `clearance`, nothing is
-        written before it clears; a request that fails before asking it asks it then, so
-        its refusal wins over the failure as if it had been asked first.
+        Header values go out as the bytes the client sent (one that cannot is a 400, see
+        UnsendableHeader). A bare Request, not client.build_request: the client's default
+        headers (Accept, Accept-Encoding, User-Agent) would be added to what the client sent.
         """
-        if clearance is None:
-            return await self._open(method, path, headers, content, query, None)
-        try:
-            return await self._open(method, path, headers, content, query, clearance)
-        except Exception:
-            waiting = clearance.cleared()  # None at once when it was asked already
-            if waiting is not None:
-                await waiting
-            raise
-        except BaseException:
-            clearance.abandon()
-            raise
-
-    async def _open(
-        self,
-        method: str,
-        path: str,
-        headers: Headers,
-        content: RequestContent | None,
-        query: bytes,
-        clearance: Clearance | None,
-    ) -> httpx.Response:
-        # A bare Request, not client.build_request: the client's default headers (Accept,
-        # Accept-Encoding, User-Agent) would be added to what the client sent.
         try:
             url = self._url(path, query)
-            direct = direct_transport(self.client, url)
-            if direct is not None and not isinstance(content, AsyncIterator):
-                # Served: the same request without httpx building and sending it.
-                raw = as_bytes(headers)
-                try:
-                    return await direct.send_bytes(
-                        method, url, raw, content, self._timeouts, clearance
-                    )
-                except httpx.HTTPError as exc:
-                    raise self.failure(exc) from None
             request = httpx.Request(method, url, headers=as_bytes(headers), content=content)
         except httpx.InvalidURL as exc:
             raise ProxyError(
@@ -195,10 +161,6 @@ class Upstream:
                 unsent=True,
             ) from None
         request.extensions["timeout"] = self._timeouts
-        if clearance is not None:
-            waiting = clearance.cleared()
-            if waiting is not None:
-                await waiting
         try:
             return await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -206,7 +168,23 @@ class Upstream:
 
     def failure(self, exc: httpx.HTTPError) -> ProxyError:
         """Map a transport failure to 502 (unreachable) or 504 (too slow), naming the host;
-        `unsent` when httpx's error says nothing was written (see ProxyError)."""
+        `unsent` when httpx's error says nothing was written (see ProxyError). A request
+        header that cannot go out as sent is the client's: 400, nothing sent."""
+        if isinstance(exc, UnsendableHeader):
+            return ProxyError(
+                400,
+                f"The request cannot be forwarded as sent: {exc}.",
+                param="headers",
+                code="invalid_header",
+                unsent=True,
+            )
+        if isinstance(exc, UnrelayableReply):
+            return ProxyError(
+                502,
+                f"The upstream {self.host} sent a reply the proxy does not relay: {exc}.",
+                type="upstream_error",
+                code="upstream_invalid_reply",
+            )
         if isinstance(exc, httpx.ConnectTimeout):
             return ProxyError(
                 504,
@@ -270,6 +248,11 @@ class Upstream:
                     seen = tap.body(upstream.status_code, upstream.headers, streaming)
                 chunks = _relay_body(upstream, self.host, seen)
                 raw = _client_headers(upstream, extra, raw_headers)
+                if streaming and seen is not None:
+                    # The tap may hold back an event (the usage event the proxy asked for):
+                    # the upstream's length would no longer be the body's, so the server
+                    # frames what goes out (chunked) instead.
+                    raw = [(name, value) for name, value in raw if name != _LENGTH]
                 return RelayResponse(upstream, chunks, raw, watch, tap)
         except BaseException:
             if watch is not None:
@@ -289,9 +272,6 @@ class Upstream:
         async def read() -> bytes:  # the wire bytes: no content-decoding
             if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
                 return upstream.content
-            whole = read_whole(upstream)
-            if whole is not None:  # the served stream reads to the end itself
-                return await whole
             return b"".join([chunk async for chunk in upstream.aiter_raw()])
 
         try:
@@ -366,27 +346,12 @@ class RelayResponse(StreamingResponse):
         self.tap = tap
 
     async def stream_response(self, send: Send) -> None:
-        """Starlette's, but what the upstream has sent already is read (and tapped) before
-        the head goes out, so that head and body leave back to back instead of with the
-        tap's reading between them; a body that has all arrived is read to its end first,
-        and goes out with the reply's end, in one write. The head never waits for a body
-        still to come."""
-        chunks, upstream = self.chunks, self.upstream
-        body = b""
-        piece = await anext(chunks, None) if arrived(upstream) else b""
-        while piece is not None and ended(upstream):  # reading on cannot wait
-            body += piece
-            piece = await anext(chunks, None)
+        """Starlette's, except that empty pieces (a tap holding an event back until the rest
+        of it comes) are not sent."""
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
-        if piece is None:  # the body ended with what had arrived
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-            return
-        body += piece
-        if body:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        async for chunk in chunks:
-            if chunk:  # (b"": a tap holding an event back until the rest of it comes)
+        async for chunk in self.chunks:
+            if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -413,9 +378,6 @@ class RelayResponse(StreamingResponse):
 
 
 async def _close(upstream: httpx.Response) -> None:
-    if closes_at_once(upstream):  # nothing to shield: it never suspends
-        await upstream.aclose()
-        return
     with anyio.CancelScope(shield=True):
         await upstream.aclose()
 
@@ -424,9 +386,9 @@ async def _relay_body(
     upstream: httpx.Response, host: str, seen: BodyTap | None = None
 ) -> AsyncIterator[bytes]:
     """The body as it arrives, one piece per chunk read; with `seen`, each chunk as it passes
-    it on (b"" while it holds an event back; in this loop: a tap adds no generator layer per
-    chunk). httpx closes the upstream response once its body has ended; the RelayResponse
-    sending this closes it on every other path."""
+    it on (in this loop: a tap adds no generator layer per chunk). httpx closes the upstream
+    response once its body has ended; the RelayResponse sending this closes it on every
+    other path."""
     try:
         if upstream.is_stream_consumed:  # built in memory and read (httpx.MockTransport)
             if seen is None:
@@ -442,14 +404,13 @@ async def _relay_body(
             return
         feed = seen.feed
         async for chunk in upstream.aiter_raw():
-            yield feed(chunk)  # b"" too: one piece per chunk read (see stream_response)
+            yield feed(chunk)  # (b"" while it holds an event back: not sent)
         rest = seen.end()
         if rest:
             yield rest
     except httpx.HTTPError as exc:
-        # Status and headers are already sent (what is read before them had arrived, and
-        # reading that cannot fail). Ending the body cleanly would pass a truncated reply off
-        # as complete; raising makes the server abort the connection instead, so the client
-        # sees the failure exactly as it would talking to the upstream directly.
+        # Status and headers are already sent. Ending the body cleanly would pass a truncated
+        # reply off as complete; raising makes the server abort the connection instead, so
+        # the client sees the failure exactly as it would talking to the upstream directly.
         log.warning("upstream %s failed mid-response: %s", host, type(exc).__name__)
         raise UpstreamBrokeOff(f"upstream {host} broke off the response") from exc

@@ -5,7 +5,7 @@
   summarizer's model; see proxy.tokens.models.known_models): encoding, image and tool
   constants, memo salt. Other names are client input: each gets its profile on first use;
 - the upstream pool bound to the loop (and for https, its TLS context: certifi's bundle
-  loaded, ~20 ms);
+  loaded, ~20 ms), when the app has its own transport;
 - the forwarding routes' latency histograms created, empty: a scrape shows them at count 0
   from the start;
 - last, a full garbage collection, and what survives it frozen (`gc.freeze`): start-up
@@ -15,11 +15,10 @@
 Code paths the first requests run are not rehearsed: the first request pays a few ms for
 what Python has not run yet, once per process.
 
-Then `preconnect` opens one connection to the upstream (TCP, plus TLS for https) and leaves
-it idle in the pool without writing a byte of HTTP, so the first request skips the handshake
-(`server.warm_connect_s`, on by default; the upstream sees a connection, no request).
-With `server.warm_probe_s` set, `start_probe` runs the /readyz checks once, which sends the
-upstream a `GET /models` (off by default: that is a request no client sent).
+No connection is opened ahead of a request (the upstream client, aiohttp, opens connections
+only for requests). With `server.warm_probe_s` set, `start_probe` runs the /readyz checks
+once, which sends the upstream a `GET /models` (off by default: that is a request no client
+sent).
 """
 
 from __future__ import annotations
@@ -31,26 +30,24 @@ import time
 
 from proxy.metrics import Metrics
 from proxy.readiness import Readiness
-from proxy.redact import redact_url
 from proxy.state import ProxyState
 from proxy.tokens.models import known_models
-from proxy.transport import ServedTransport, direct_transport
+from proxy.transport import UpstreamTransport
 
 log = logging.getLogger("proxy.app")
 
-CHAT_PATH = "chat/completions"
 # Routes whose requests go upstream: their latency histograms are created at start.
 FORWARDING_ROUTES = ("/v1/chat/completions", "/v1/{path:path}")
 
 
 async def warm_up(
-    state: ProxyState, transport: ServedTransport | None, metrics: Metrics | None = None
+    state: ProxyState, transport: UpstreamTransport | None, metrics: Metrics | None = None
 ) -> float:
     """Seconds spent. Failures are logged and skipped: warming must never stop a start.
-    Only a served app (uvicorn ran the lifespan and the app has its own transport) freezes
-    its start-up objects; in-process use (tests, an injected transport) leaves the GC be."""
+    Only an app with its own transport (not a test's injected one) binds its pool and
+    freezes its start-up objects; in-process use under tests leaves the GC be."""
     started = time.perf_counter()
-    serving = transport is not None and transport.served  # else in-process, under tests
+    serving = transport is not None
     try:
         warm = getattr(state.counter, "warm", None)
         if callable(warm):
@@ -58,8 +55,10 @@ async def warm_up(
         prepare = getattr(state.counter, "prepare", None)
         if callable(prepare):
             prepare(known_models(state.settings))
-        if transport is not None and serving:
-            transport.warm()
+        if transport is not None:
+            settings = state.settings
+            summarizer = settings.compaction.summarizer.base_url or settings.upstream.base_url
+            transport.warm([settings.upstream.base_url, summarizer])
         if metrics is not None:
             metrics.prime(FORWARDING_ROUTES)
     except Exception:
@@ -68,36 +67,6 @@ async def warm_up(
         gc.collect()
         gc.freeze()
     return time.perf_counter() - started
-
-
-async def preconnect(state: ProxyState, wait_s: float) -> asyncio.Task[None] | None:
-    """One connection to the upstream opened now and left idle in the pool (see the module
-    docstring), when the upstream is reached directly over the served pool (not
-    through an egress proxy's mount, see proxy.egress: then nothing is opened). Waits up to
-    `wait_s`: a slow or absent upstream delays the start by no more than that, and a failure
-    is one DEBUG line (the first request then connects, and fails, as it would have). The
-    task is returned when still running, to be cancelled at shutdown."""
-    if wait_s <= 0:
-        return None
-    upstream = state.upstream
-    url = upstream.prepare(CHAT_PATH)
-    direct = direct_transport(upstream.client, url)
-    if direct is None:
-        return None
-    timeout_s = state.settings.upstream.connect_timeout_s
-    task = asyncio.create_task(direct.preconnect(url, timeout_s))
-
-    def done(finished: asyncio.Task[None]) -> None:
-        if not finished.cancelled() and finished.exception() is not None:
-            log.debug(
-                "start-up connection to %s failed: %r",
-                redact_url(upstream.base_url),
-                finished.exception(),
-            )
-
-    task.add_done_callback(done)
-    await asyncio.wait({task}, timeout=wait_s)
-    return None if task.done() else task
 
 
 async def start_probe(readiness: Readiness, wait_s: float) -> asyncio.Task[object] | None:

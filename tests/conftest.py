@@ -14,6 +14,7 @@ import pytest
 import respx
 import uvloop
 from hypothesis import HealthCheck, settings
+from starlette.applications import Starlette
 
 from proxy.tokens import encodings
 
@@ -89,6 +90,12 @@ async def until(predicate: Callable[[], bool]) -> None:
             await asyncio.sleep(0.005)
 
 
+def respx_app(settings: Settings, **kwargs: Any) -> Starlette:
+    """`create_app` over httpx's own transport, which respx's default mode patches (the app's
+    own transport, aiohttp, is what integration tests and production run)."""
+    return create_app(settings, transport=httpx.AsyncHTTPTransport(), **kwargs)
+
+
 @pytest.fixture
 def settings() -> Settings:
     return make_settings()
@@ -102,7 +109,7 @@ def upstream() -> Iterator[respx.MockRouter]:
 
 @pytest.fixture
 async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings)
+    app = respx_app(settings)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://proxy.test") as c:
         yield c

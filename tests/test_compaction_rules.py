@@ -18,7 +18,7 @@ from proxy.compaction.strategies import BUILT_IN
 from proxy.settings import ConfigError, Settings
 from proxy.tokens import TokenCounter
 from tests.agent_sim import TOOLS
-from tests.conftest import make_settings
+from tests.conftest import make_settings, respx_app
 from tests.upstream_fakes import FakeUpstream, summary_of
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -64,7 +64,7 @@ async def open_client(**compaction: Any) -> httpx.AsyncClient:
     compaction = {"budget_tokens": 2000, "keep_recent_ratio": 0.5, **compaction}
     settings = make_settings(compaction=compaction, cache=cache)
     return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=create_app(settings)), base_url="http://p"
+        transport=httpx.ASGITransport(app=respx_app(settings)), base_url="http://p"
     )
 
 

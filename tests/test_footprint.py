@@ -1,5 +1,5 @@
 """What the proxy holds in memory: no unused imports (httpx's CLI, the Redis client when no
-backend needs it, aiohttp, no longer a dependency), an idle memo costs no RSS."""
+backend needs it), an idle memo costs no RSS."""
 
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ def test_importing_the_app_leaves_out_httpxs_command_line_client() -> None:
 _PLAIN_START = """
 import asyncio, os, sys
 os.environ["COMPACTION_PROXY_UPSTREAM__BASE_URL"] = "http://127.0.0.1:9/v1"
-os.environ["COMPACTION_PROXY_SERVER__WARM_CONNECT_S"] = "0"
 from proxy.app import create_app
 from proxy.settings import load_settings
 import proxy.cli
@@ -41,87 +40,15 @@ asyncio.run(start())
 redis = ("redis", "hiredis")
 print(sorted(m for m in sys.modules if m.split(".")[0] in redis or m.endswith(".redis")))
 print(sorted(app.state.proxy.counter.loaded))
-print(sorted(m for m in ("aiohttp", "yarl", "multidict") if m in sys.modules))
 """
 
 
-def test_a_plain_start_imports_no_redis_client_nor_aiohttp_and_builds_one_encoding() -> None:
+def test_a_plain_start_imports_no_redis_client_and_builds_one_encoding() -> None:
     out = subprocess.run(
         [sys.executable, "-c", _PLAIN_START], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:3] == ["[]", "['o200k_base']", "[]"]
-
-
-# A served app (lifespan run), sent one request of each kind its transport carries: aiohttp
-# (~9 MB of RSS) is never imported, for a plain-http upstream nor an https one.
-_SERVED = """
-import asyncio, sys
-import httpx
-from proxy.app import create_app
-from proxy.settings import Settings
-
-REPLY = b'{"id":"x","object":"list","data":[]}'
-
-async def answer(reader, writer):
-    while True:
-        try:
-            head = await reader.readuntil(b"\\r\\n\\r\\n")
-        except asyncio.IncompleteReadError:
-            break
-        lines = head.lower().split(b"\\r\\n")
-        if b"transfer-encoding: chunked" in lines:
-            while size := int(await reader.readuntil(b"\\r\\n"), 16):
-                await reader.readexactly(size + 2)
-            await reader.readexactly(2)
-        for line in lines:
-            if line.startswith(b"content-length:"):
-                await reader.readexactly(int(line[15:]))
-        body = b"" if head.startswith(b"HEAD") else REPLY
-        writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\n"
-                     b"content-length: %d\\r\\n\\r\\n%s" % (len(REPLY), body))
-    writer.close()
-
-async def upload():
-    for i in range(3):
-        yield b"piece %d " % i
-
-async def main(scheme):
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    base = f"{scheme}://127.0.0.1:{port}/v1"
-    app = create_app(Settings.model_validate({"upstream": {"base_url": base},
-                                              "server": {"warm_connect_s": 0}}))
-    async with app.router.lifespan_context(app):
-        print("aiohttp" in sys.modules)
-        if scheme == "http":
-            proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
-            chat = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
-            replies = [
-                await proxy.post("/v1/chat/completions", json=chat),
-                await proxy.get("/v1/models"),
-                await proxy.head("/v1/models"),
-                await proxy.post("/v1/files", content=upload()),
-            ]
-            print([r.status_code for r in replies])
-        print("aiohttp" in sys.modules)
-    server.close()
-
-asyncio.run(main(sys.argv[1]))
-"""
-
-
-@pytest.mark.parametrize("scheme", ["http", "https"])
-def test_no_upstream_makes_the_proxy_import_aiohttp(scheme: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _SERVED, scheme], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.split("\n")
-    if scheme == "http":
-        assert lines[:3] == ["False", "[200, 200, 200, 200]", "False"]
-    else:
-        assert lines[:2] == ["False", "False"]
+    assert out.stdout.split("\n")[:2] == ["[]", "['o200k_base']"]
 
 
 def _rss_kb() -> int:

@@ -151,7 +151,7 @@ async def test_configured_api_key_replaces_client_credential(upstream: respx.Moc
 
     settings = make_settings(upstream={"api_key": "sk-proxy"})
     route = upstream.post("/chat/completions").respond(json=CHAT_REPLY)
-    app = create_app(settings)
+    app = create_app(settings, transport=httpx.AsyncHTTPTransport())  # respx patches it
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
         await c.post(
             "/v1/chat/completions",

@@ -17,9 +17,8 @@ import pytest
 import respx
 
 from proxy import __version__
-from proxy.app import create_app
 from proxy.logs import TextFormatter, log_config
-from tests.conftest import make_settings
+from tests.conftest import make_settings, respx_app
 from tests.test_compaction_path import request_body
 from tests.upstream_fakes import FakeUpstream
 
@@ -45,7 +44,7 @@ def json_lines(monkeypatch: pytest.MonkeyPatch, preserved_logging: None) -> Line
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     settings = make_settings(compaction={"budget_tokens": 1000}, cache={"backend": "none"})
-    app = create_app(settings)
+    app = respx_app(settings)
     transport = httpx.ASGITransport(app=app, client=("203.0.113.7", 41000))
     async with httpx.AsyncClient(transport=transport, base_url="http://p") as c:
         yield c
@@ -150,7 +149,7 @@ async def test_access_line_names_the_proxy_key_never_the_key_itself(
 ) -> None:
     key = "pk-team-a-secret"
     entry = {"id": "team-a", "key_sha256": hashlib.sha256(key.encode()).hexdigest()}
-    app = create_app(make_settings(auth={"keys": [entry]}))
+    app = respx_app(make_settings(auth={"keys": [entry]}))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
         ok = await client.post(

@@ -12,9 +12,8 @@ import respx
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import metrics as metrics_module
-from proxy.app import create_app
 from tests.agent_sim import TOOLS, agent_turns
-from tests.conftest import make_settings
+from tests.conftest import make_settings, respx_app
 from tests.test_compaction_path import request_body
 from tests.upstream_fakes import FakeUpstream
 
@@ -39,7 +38,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 async def open_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:
     compaction = {"budget_tokens": 1000, **sections.pop("compaction", {})}
-    app = create_app(make_settings(compaction=compaction, **sections))
+    app = respx_app(make_settings(compaction=compaction, **sections))
     transport = httpx.ASGITransport(app=app)
     # A credential: key-less clients get no summary store (cache.anonymous).
     headers = {"authorization": "Bearer sk-metrics"}

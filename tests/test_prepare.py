@@ -20,12 +20,11 @@ import pytest
 import respx
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import create_app
 from proxy.report import Usage
 from proxy.settings import Settings
 from proxy.store import StoredSummary
 from proxy.tokens import TokenCounter
-from tests.conftest import make_settings, until
+from tests.conftest import make_settings, respx_app, until
 from tests.keys.conftest import KEY_A, KEY_B, bearer, key_entry, keyed_settings
 from tests.replay import COMPACTED, Session, check, coding_agent, customer_service, turn_of
 from tests.upstream_fakes import FakeUpstream
@@ -52,7 +51,7 @@ class Proxy:
     """An app and an in-process client; `send` posts one turn of a session."""
 
     def __init__(self, settings: Settings) -> None:
-        self.app = create_app(settings)
+        self.app = respx_app(settings)
         transport = httpx.ASGITransport(app=self.app)
         self.client = httpx.AsyncClient(transport=transport, base_url="http://proxy.test")
 

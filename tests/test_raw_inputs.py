@@ -135,7 +135,7 @@ async def test_a_budget_header_that_is_not_a_plain_number_answers_400(value: byt
         assert r.upstream.seen == []
 
 
-TITLES = ["Café ☕".encode(), "Café".encode("latin-1"), b"plain"]
+TITLES = ["Café ☕".encode(), b"plain"]
 
 
 @pytest.mark.parametrize("title", TITLES)
@@ -156,6 +156,27 @@ async def test_non_ascii_request_headers_cross_byte_for_byte(
         (seen,) = r.upstream.seen
         assert seen.header(b"x-title") == title
         assert seen.body == (body or b"")
+        await r.settled()
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "body"),
+    [
+        ("POST", b"/v1/chat/completions", CHAT),
+        ("GET", b"/v1/models", None),
+        ("POST", b"/v1/embeddings", b'{"input":"x"}'),
+    ],
+)
+async def test_a_header_value_in_latin1_is_refused_rather_than_changed(
+    method: str, target: bytes, body: bytes | None
+) -> None:
+    """The upstream client writes header text as UTF-8: a latin-1 (obs-text) value could
+    only go up changed, so the request is refused, naming the header, and nothing is sent."""
+    async with steady_rig() as r:
+        reply = await send(r, method, target, [(b"x-title", "Café".encode("latin-1"))], body)
+        error = assert_envelope(reply, 400, "invalid_header")
+        assert "x-title" in error["message"] and "UTF-8" in error["message"]
+        assert r.upstream.seen == []
         await r.settled()
 
 

@@ -13,15 +13,14 @@ import httpx
 import pytest
 import respx
 
-from proxy.app import create_app
 from proxy.settings import ConfigError, load_settings
-from tests.conftest import UPSTREAM, make_settings
+from tests.conftest import UPSTREAM, make_settings, respx_app
 
 PASSWORD = "redis-secret-pw"
 
 
 async def open_client(**sections: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(make_settings(**sections))
+    app = respx_app(make_settings(**sections))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
         yield client

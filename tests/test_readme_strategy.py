@@ -13,10 +13,9 @@ import httpx
 import pytest
 import respx
 
-from proxy.app import create_app
 from proxy.compaction import Compaction, Summarizing
 from tests.agent_sim import TOOLS, agent_turns
-from tests.conftest import make_settings
+from tests.conftest import make_settings, respx_app
 from tests.upstream_fakes import FakeUpstream
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -46,7 +45,7 @@ async def run(strategy: str | list[str], turns: int = 60) -> tuple[FakeUpstream,
     settings = make_settings(
         compaction={"budget_tokens": 2000, "strategy": strategy}, cache={"backend": "memory"}
     )
-    app = create_app(settings)
+    app = respx_app(settings)
     responses = []
     with respx.mock(base_url="http://upstream.test/v1", assert_all_called=False) as router:
         fake.install(router)

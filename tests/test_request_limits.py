@@ -38,7 +38,7 @@ def fake(upstream: respx.MockRouter) -> FakeUpstream:
 
 
 async def serve(settings: Settings, counter: TokenCounter | None = None) -> AsyncIterator[Any]:
-    app = create_app(settings, counter=counter)
+    app = create_app(settings, counter=counter, transport=httpx.AsyncHTTPTransport())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
         yield c, app
 

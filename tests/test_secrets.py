@@ -12,7 +12,7 @@ import respx
 from proxy.app import create_app
 from proxy.redact import redact_url
 from proxy.settings import ConfigError, Settings, load_settings
-from tests.conftest import UPSTREAM, make_settings
+from tests.conftest import UPSTREAM, make_settings, respx_app
 from tests.upstream_fakes import FakeUpstream
 
 
@@ -92,7 +92,7 @@ async def test_start_up_line_and_readyz_never_show_a_query_credential(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings = make_settings(upstream={"base_url": "http://upstream.test/v1?api-key=SECRET-q"})
-    app = create_app(settings)
+    app = respx_app(settings)
     caplog.set_level(logging.INFO)
     async with (
         app.router.lifespan_context(app),
@@ -123,7 +123,7 @@ HISTORY = [
 
 
 async def _twice(settings: Settings, headers: dict[str, str]) -> tuple[list[str], int]:
-    app = create_app(settings)
+    app = respx_app(settings)
     with respx.mock(base_url=UPSTREAM, assert_all_called=False) as router:
         fake = FakeUpstream().install(router)
         async with httpx.AsyncClient(

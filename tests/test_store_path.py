@@ -17,9 +17,8 @@ import pytest
 import respx
 from starlette.applications import Starlette
 
-from proxy.app import create_app
 from tests.agent_sim import TOOLS, agent_turns
-from tests.conftest import make_settings, until
+from tests.conftest import make_settings, respx_app, until
 from tests.upstream_fakes import FakeUpstream, summary_of
 
 BUDGET = 2000
@@ -40,7 +39,7 @@ def fake(upstream: respx.MockRouter) -> FakeUpstream:
 
 @pytest.fixture
 async def memory_client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings_for(backend="memory"))
+    app = respx_app(settings_for(backend="memory"))
     async with await open_client(app) as client:
         yield client
 
@@ -131,7 +130,7 @@ async def test_credentials_never_share_summaries(
 
 
 async def test_global_scope_shares_summaries(fake: FakeUpstream) -> None:
-    app = create_app(settings_for(backend="memory", scope="global"))
+    app = respx_app(settings_for(backend="memory", scope="global"))
     async with await open_client(app) as client:
         history = agent_turns(40)[-1]
         await send(client, history, key="sk-tenant-a")
@@ -145,7 +144,7 @@ async def test_concurrent_identical_requests_make_one_summary(
     upstream: respx.MockRouter, backend: str
 ) -> None:
     fake = FakeUpstream(gate=asyncio.Event()).install(upstream)
-    app = create_app(settings_for(backend=backend))
+    app = respx_app(settings_for(backend=backend))
     flight = app.state.proxy.compactor.planner.flight.local
     history = agent_turns(40)[-1]
     async with await open_client(app) as client:
@@ -164,7 +163,7 @@ async def test_disconnected_waiter_does_not_cancel_the_shared_summary(
     upstream: respx.MockRouter,
 ) -> None:
     fake = FakeUpstream(gate=asyncio.Event()).install(upstream)
-    app = create_app(settings_for(backend="memory"))
+    app = respx_app(settings_for(backend="memory"))
     flight = app.state.proxy.compactor.planner.flight.local
     history = agent_turns(40)[-1]
     async with await open_client(app) as client:
@@ -204,7 +203,7 @@ async def test_two_instances_share_summaries_through_redis(
 ) -> None:
     settings = settings_for(backend="redis", key_prefix=redis_prefix)
     history = agent_turns(40)[-1]
-    first_app, second_app = create_app(settings), create_app(settings)
+    first_app, second_app = respx_app(settings), respx_app(settings)
     async with await open_client(first_app) as first, await open_client(second_app) as second:
         made = await send(first, history)
         found = await send(second, history)
@@ -258,7 +257,7 @@ async def test_redis_outage_degrades_to_no_store(
     fake: FakeUpstream, private_redis: tuple[str, subprocess.Popen[bytes]]
 ) -> None:
     url, process = private_redis
-    app = create_app(settings_for(backend="redis", redis_url=url))
+    app = respx_app(settings_for(backend="redis", redis_url=url))
     sessions = agent_turns(40)
     async with await open_client(app) as client:
         made = await send(client, sessions[-2])
@@ -280,7 +279,7 @@ async def test_long_tool_loop_after_one_user_message_still_compacts(fake: FakeUp
     """Coding agents run dozens of tool calls per user message. The cut cannot stop at that
     message, so it is carried verbatim right after the summary instead (with the task
     protection off: otherwise that first message goes before the summary)."""
-    app = create_app(settings_for({"protect_task": False}, backend="memory"))
+    app = respx_app(settings_for({"protect_task": False}, backend="memory"))
     memory_client = await open_client(app)
     sessions = agent_turns(60, user_every=1000)  # one user message, then only tool calls
     ask = sessions[-1][1]
@@ -340,7 +339,7 @@ async def test_summaries_stored_under_the_old_key_format_are_missed_not_misread(
     from proxy.compaction.protocol import Usage
     from proxy.store import StoredSummary, canonical, namespace_for, scope_for
 
-    app = create_app(settings_for(backend="memory"))
+    app = respx_app(settings_for(backend="memory"))
     state = app.state.proxy
     compactor = state.compactor
     history = agent_turns(40)[-1]

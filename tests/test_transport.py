@@ -1,4 +1,5 @@
-"""The upstream client (proxy/transport.py) against a real local server, and under respx."""
+"""The upstream client (proxy/transport.py: httpx's API over aiohttp) against a real local
+server, and under respx."""
 
 from __future__ import annotations
 
@@ -19,15 +20,8 @@ import respx
 import uvicorn
 
 from proxy.app import create_app
-from proxy.egress import proxy_for
 from proxy.settings import Settings, UpstreamSettings
-from proxy.transport import (
-    ServedTransport,
-    UpstreamTransport,
-    create_upstream_client,
-    direct_transport,
-    upstream_limits,
-)
+from proxy.transport import UpstreamTransport, create_upstream_client
 
 LOOPS = ("asyncio", "uvloop")  # the served proxy runs on uvloop
 
@@ -127,10 +121,9 @@ def client_for(url: str, **overrides: Any) -> httpx.AsyncClient:
     return create_upstream_client(UpstreamSettings(base_url=url, **overrides))
 
 
-def in_process_client_for(url: str) -> httpx.AsyncClient:
-    """The client an app not (yet) served has: ServedTransport before `serve()`."""
-    settings = UpstreamSettings(base_url=url)
-    return create_upstream_client(settings, ServedTransport(upstream_limits(settings)))
+def respx_client_for(url: str) -> httpx.AsyncClient:
+    """The client an app given httpx's own transport has (what respx's default mode patches)."""
+    return create_upstream_client(UpstreamSettings(base_url=url), httpx.AsyncHTTPTransport())
 
 
 @pytest.fixture
@@ -140,49 +133,6 @@ def free_port() -> Iterator[int]:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     yield port
-
-
-def test_the_client_uses_the_apps_own_transport_ready_for_https_only_when_asked() -> None:
-    client = client_for("http://127.0.0.1:1")
-    assert isinstance(client._transport, UpstreamTransport)
-    assert not client._transport.https
-    tls = client_for("https://127.0.0.1:1")._transport
-    assert isinstance(tls, UpstreamTransport) and tls.https
-
-
-@pytest.mark.parametrize(
-    ("upstream", "summarizer", "env_proxy", "expected"),
-    [
-        ("http://up.test/v1", None, None, False),
-        ("https://up.test/v1", None, None, True),
-        ("http://up.test/v1", "https://summaries.test/v1", None, True),
-        ("https://up.test/v1", None, "http://egress.test:3128", False),  # httpx's mount
-    ],
-)
-def test_the_served_transport_is_built_for_https_when_a_url_reached_directly_is(
-    monkeypatch: pytest.MonkeyPatch,
-    upstream: str,
-    summarizer: str | None,
-    env_proxy: str | None,
-    expected: bool,
-) -> None:
-    if env_proxy is not None:
-        monkeypatch.setenv("HTTPS_PROXY", env_proxy)
-    settings = Settings.model_validate(
-        {
-            "upstream": {"base_url": upstream},
-            "compaction": {"summarizer": {"base_url": summarizer}},
-            "server": {"warm_connect_s": 0},
-        }
-    )
-    app = create_app(settings)
-
-    async def start() -> bool | None:
-        async with app.router.lifespan_context(app):
-            direct = direct_transport(app.state.proxy.upstream.client, httpx.URL("http://up.test"))
-            return None if direct is None else direct.https
-
-    assert asyncio.run(start()) is expected
 
 
 def test_one_client_works_across_event_loops() -> None:
@@ -349,7 +299,7 @@ async def test_pool_timeout_is_pool_timeout(upstream: Upstream) -> None:
 
 
 async def test_respx_default_mode_intercepts_with_no_setup() -> None:
-    async with in_process_client_for("http://upstream.test/v1") as client:
+    async with respx_client_for("http://upstream.test/v1") as client:
         with respx.mock(base_url="http://upstream.test/v1") as router:
             route = router.post("/chat/completions").respond(json={"ok": True})
             response = await client.send(
@@ -362,14 +312,14 @@ async def test_respx_default_mode_intercepts_with_no_setup() -> None:
 
 async def test_respx_fixture_intercepts(respx_mock: respx.MockRouter) -> None:
     route = respx_mock.get("http://upstream.test/v1/models").respond(json={"data": []})
-    async with in_process_client_for("http://upstream.test/v1") as client:
+    async with respx_client_for("http://upstream.test/v1") as client:
         reply = await client.get("http://upstream.test/v1/models")
     assert reply.json() == {"data": []}
     assert route.called
 
 
 async def test_respx_using_httpx_intercepts() -> None:
-    async with in_process_client_for("http://upstream.test/v1") as client:
+    async with respx_client_for("http://upstream.test/v1") as client:
         with respx.mock(using="httpx") as router:
             route = router.get("http://upstream.test/v1/models").respond(status_code=418)
             reply = await client.get("http://upstream.test/v1/models")
@@ -385,22 +335,22 @@ async def test_a_patched_httpx_transport_sees_the_requests(
         return httpx.Response(200, text=f"mocked {request.url.path}")
 
     monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", fake)
-    async with in_process_client_for("http://upstream.test/v1") as client:
+    async with respx_client_for("http://upstream.test/v1") as client:
         reply = await client.get("http://upstream.test/v1/models")
     assert reply.text == "mocked /v1/models"
 
 
 async def test_respx_pass_through_reaches_the_real_upstream(upstream: Upstream) -> None:
-    async with in_process_client_for(upstream.url) as client:
+    async with respx_client_for(upstream.url) as client:
         with respx.mock() as router:
             router.route(host="127.0.0.1").pass_through()
             reply = await client.post(f"{upstream.url}/echo", content=b"abc")
     assert reply.json()["size"] == 3
 
 
-async def test_the_app_in_process_is_intercepted_by_respx_without_setup() -> None:
+async def test_the_app_given_httpxs_transport_is_intercepted_by_respx() -> None:
     settings = Settings.model_validate({"upstream": {"base_url": "http://upstream.test/v1"}})
-    app = create_app(settings)
+    app = create_app(settings, transport=httpx.AsyncHTTPTransport())
     reply_json = {"id": "x", "object": "list", "data": []}
     with respx.mock(base_url="http://upstream.test/v1") as router:
         route = router.get("/models").respond(json=reply_json)
@@ -413,16 +363,23 @@ async def test_the_app_in_process_is_intercepted_by_respx_without_setup() -> Non
     assert route.called
 
 
-async def test_a_served_app_sends_over_its_own_wire_which_respx_does_not_patch(
-    upstream: Upstream,
+@pytest.mark.parametrize("lifespan", [False, True], ids=["in-process", "served"])
+async def test_the_apps_own_transport_is_the_same_in_process_and_served(
+    upstream: Upstream, lifespan: bool
 ) -> None:
+    """What tests see is what production runs: respx's default mode patches httpx's own
+    transport, not the app's, whether or not the lifespan ran."""
     settings = Settings.model_validate({"upstream": {"base_url": upstream.url}})
     app = create_app(settings)
     with respx.mock(assert_all_called=False) as router:
         route = router.post(f"{upstream.url}/echo").respond(418)
         proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
-        async with app.router.lifespan_context(app), proxy:  # what uvicorn runs at start
+        async with contextlib.AsyncExitStack() as stack:
+            if lifespan:  # what uvicorn runs at start
+                await stack.enter_async_context(app.router.lifespan_context(app))
+            await stack.enter_async_context(proxy)
             reply = await proxy.post("/v1/echo", content=b"abcd")
+    await app.state.proxy.upstream.client.aclose()
     assert reply.status_code == 200
     assert reply.json()["size"] == 4  # the real upstream answered, not the mock
     assert not route.called
@@ -438,15 +395,15 @@ async def test_an_injected_transport_carries_every_upstream_request() -> None:
     settings = Settings.model_validate({"upstream": {"base_url": "http://upstream.test/v1"}})
     app = create_app(settings, transport=httpx.MockTransport(handler))
     proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
-    async with app.router.lifespan_context(app), proxy:  # served or not: the injected one
+    async with app.router.lifespan_context(app), proxy:
         reply = await proxy.get("/v1/models")
     assert reply.json() == {"object": "list", "data": []}
     assert seen == ["/v1/models"]
 
 
-async def test_respx_using_httpx_intercepts_a_served_app_too() -> None:
-    # The lifespan running in-process (TestClient as a context manager, asgi-lifespan) puts
-    # the app on its own wire; respx's httpx mode patches the client itself, so it still sees all.
+async def test_respx_using_httpx_intercepts_the_apps_own_transport_too() -> None:
+    # respx's httpx mode patches the client itself, so it sees every request whatever the
+    # client's transport.
     settings = Settings.model_validate({"upstream": {"base_url": "http://upstream.test/v1"}})
     app = create_app(settings)
     with respx.mock(using="httpx", base_url="http://upstream.test/v1") as router:
@@ -459,55 +416,10 @@ async def test_respx_using_httpx_intercepts_a_served_app_too() -> None:
     assert route.called
 
 
-@pytest.mark.parametrize(
-    ("method", "headers", "content"),
-    [
-        ("POST", [(b"Authorization", b"Bearer k"), (b"X-Title", b"Caf\xc3\xa9")], b'{"a":1}'),
-        ("POST", [(b"x-a", b"1")], b""),
-        ("GET", [(b"x-a", b"1")], None),
-        ("put", [(b"x-a", b"1"), (b"content-length", b"2")], b"{}"),
-        ("POST", [(b"Host", b"elsewhere.test"), (b"x-a", b"1")], b"{}"),
-    ],
-)
-async def test_a_request_sent_without_httpx_goes_out_as_httpx_would_send_it(
-    upstream: Upstream, method: str, headers: list[tuple[bytes, bytes]], content: bytes | None
-) -> None:
-    # The served proxy hands its requests straight to its own transport; the upstream
-    # must see the same header bytes, in the same order, as through httpx's own client.
-    url = httpx.URL(f"{upstream.url}/echo")
-    async with client_for(upstream.url) as client:
-        transport = client._transport
-        assert isinstance(transport, UpstreamTransport)
-        direct = await transport.send_bytes(method, url, headers, content, {})
-        await direct.aread()
-        request = httpx.Request(method, url, headers=headers, content=content)
-        via_httpx = await client.send(request)
-    assert direct.status_code == via_httpx.status_code == 200
-    assert upstream.received_headers[0] == upstream.received_headers[1]
-    assert direct.json()["size"] == len(content or b"")
-
-
-async def test_only_a_served_client_without_mounts_or_mocks_is_sent_to_directly(
-    upstream: Upstream,
-) -> None:
-    url = httpx.URL(f"{upstream.url}/echo")
-    async with client_for(upstream.url) as served, in_process_client_for(upstream.url) as before:
-        assert isinstance(direct_transport(served, url), UpstreamTransport)
-        assert direct_transport(before, url) is None  # respx and friends patch httpx's
-        with respx.mock(using="httpx", assert_all_called=False):
-            assert direct_transport(served, url) is None  # the client is patched: no bypass
-    proxied = httpx.AsyncClient(
-        transport=UpstreamTransport(httpx.Limits()),
-        mounts={"http://": httpx.AsyncHTTPTransport()},
-    )
-    async with proxied:
-        assert direct_transport(proxied, url) is None  # a proxy mount carries it
-
-
-def _routes(upstream: dict[str, object], *urls: str, **kw: object) -> list[str | None]:
+def _routes(upstream: dict[str, object], *urls: str) -> list[str | None]:
     settings = Settings.model_validate({"upstream": upstream}).upstream
-    client = create_upstream_client(settings, **kw)  # type: ignore[arg-type]
-    return [proxy_for(client, url) for url in urls]
+    transport = UpstreamTransport.for_settings(settings)
+    return [transport.proxy_for(url) for url in urls]
 
 
 def test_egress_proxies_are_mounted_as_httpx_reads_the_environment(
@@ -521,11 +433,37 @@ def test_egress_proxies_are_mounted_as_httpx_reads_the_environment(
     explicit = {"proxy_url": "http://u:pw@other:8080"}
     assert _routes(explicit, *urls) == ["http://***@other:8080"] * 3
     assert _routes({"proxy_from_env": False}, *urls) == [None, None, None]
-    # A transport of the caller's own carries everything, as in httpx.
-    mock = httpx.MockTransport(lambda request: httpx.Response(200))
-    assert _routes({}, *urls, transport=mock) == [None, None, None]
     monkeypatch.setenv("NO_PROXY", "*")
     assert _routes({}, *urls) == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("no_proxy", "url", "through"),
+    [
+        ("corp.test", "https://corp.test/v1", None),
+        ("corp.test", "https://api.corp.test/v1", None),
+        ("corp.test", "https://xcorp.test/v1", "http://egress:1"),
+        (".corp.test", "https://api.corp.test/v1", None),
+        (".corp.test", "https://corp.test/v1", "http://egress:1"),
+        ("10.0.0.1", "http://10.0.0.1:8000/v1", None),
+        ("10.0.0.1", "http://10.0.0.2:8000/v1", "http://egress:2"),
+        ("::1", "http://[::1]:8000/v1", None),
+        ("localhost", "http://localhost:8000/v1", None),
+        ("http://internal.test", "http://internal.test/v1", None),
+        ("http://internal.test", "https://internal.test/v1", "http://egress:1"),
+        ("", "ftp://elsewhere.test/", "http://egress:3"),
+        ("localhost:8080", "http://localhost:8080/v1", None),
+        ("localhost:8080", "http://localhost:9090/v1", "http://egress:2"),
+    ],
+)
+def test_egress_routes_follow_httpxs_reading_of_no_proxy(
+    monkeypatch: pytest.MonkeyPatch, no_proxy: str, url: str, through: str | None
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://egress:1")
+    monkeypatch.setenv("HTTP_PROXY", "http://egress:2")
+    monkeypatch.setenv("ALL_PROXY", "http://egress:3")
+    monkeypatch.setenv("NO_PROXY", no_proxy)
+    assert _routes({}, url) == [through]
 
 
 def test_a_bad_egress_proxy_in_the_environment_stops_the_start_with_one_line(

@@ -1,10 +1,9 @@
-"""Start-up work: done before the server listens, invisible to the upstream, the metrics
-and the access log; one upstream connection opened at start (no request on it) unless
-`server.warm_connect_s = 0`; the optional start probe sends the upstream `GET /models`."""
+"""Start-up warm-up: done before the server listens, invisible to the upstream (no request,
+no connection), the metrics and the access logs; the optional start probe sends the upstream
+`GET /models`."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ from starlette.applications import Starlette
 from proxy import warmup
 from proxy.app import create_app
 from proxy.settings import Settings
-from tests.fault_upstream import WAIT_S, FaultUpstream, fault_upstream
+from tests.fault_upstream import FaultUpstream, fault_upstream
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -32,7 +31,7 @@ def served_app(upstream: FaultUpstream, **server: object) -> Starlette:
 
 @asynccontextmanager
 async def started(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
-    """The lifespan as uvicorn runs it (so the app is on its served transport), and a client."""
+    """The lifespan as uvicorn runs it, and a client."""
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
     async with app.router.lifespan_context(app), client:
         yield client
@@ -56,11 +55,10 @@ async def test_warm_up_runs_at_start_and_nobody_sees_it(caplog: pytest.LogCaptur
         app = served_app(upstream)
         async with started(app) as client:
             assert gc.get_freeze_count() > frozen_before  # start-up objects out of the GC
-            # The upstream has seen no request (one connection, opened at start, carries
-            # nothing yet), the access log has no line, the metrics count no request.
-            await asyncio.wait_for(upstream.connected.wait(), WAIT_S)
+            # The upstream has seen no request nor connection, the access log has no line,
+            # the metrics count no request.
             assert upstream.seen == []
-            assert upstream.connections == 1
+            assert upstream.connections == 0
             assert not [r for r in caplog.records if r.name == "proxy.access"]
             before = samples((await client.get("/metrics")).text)
             assert not [key for key in before if key[0] == "compaction_proxy_requests_total"]
@@ -71,8 +69,7 @@ async def test_warm_up_runs_at_start_and_nobody_sees_it(caplog: pytest.LogCaptur
             reply = await client.post("/v1/chat/completions", json=CHAT)
             assert reply.status_code == 200
             assert [s.path for s in upstream.seen] == [b"/v1/chat/completions"]
-            # The first request went out on the connection opened at start.
-            assert upstream.seen[0].connection == 1 and upstream.connections == 1
+            assert upstream.connections == 1
             lines = [r.getMessage() for r in caplog.records if r.name == "proxy.access"]
             assert [line.split()[:2] for line in lines] == [
                 ["GET", "/metrics"],
@@ -113,11 +110,8 @@ async def test_the_model_names_the_configuration_names_are_profiled_at_start() -
     gc.unfreeze()
 
 
-async def test_warm_connect_s_0_opens_no_connection_at_start() -> None:
-    async with (
-        fault_upstream() as upstream,
-        started(served_app(upstream, warm_connect_s=0)) as client,
-    ):
+async def test_no_connection_is_opened_at_start() -> None:
+    async with fault_upstream() as upstream, started(served_app(upstream)) as client:
         assert upstream.connections == 0
         reply = await client.post("/v1/chat/completions", json=CHAT)
         assert reply.status_code == 200
@@ -140,10 +134,10 @@ async def test_a_down_upstream_does_not_stop_the_start_nor_answer_for_the_first_
 async def test_a_failing_warm_up_does_not_stop_the_start(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("warm-up broke")
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("rehearsal broke")
 
-    monkeypatch.setattr(warmup, "known_models", broken)
+    monkeypatch.setattr(warmup, "rehearse", broken)
     async with fault_upstream() as upstream, started(served_app(upstream)) as client:
         reply = await client.post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 200

@@ -1,5 +1,5 @@
 """Upstream requests behind an egress proxy: a forward proxy on 127.0.0.1 in front of the fake
-upstream, the proxy app served by uvicorn (its own wire, proxy.wire), HTTP_PROXY / NO_PROXY set in
+upstream, the proxy app served by uvicorn (its own transport), HTTP_PROXY / NO_PROXY set in
 the environment or `upstream.proxy_url` in the settings."""
 
 from __future__ import annotations

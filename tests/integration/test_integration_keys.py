@@ -70,7 +70,7 @@ def serve_keyed(
 def keyed_proxy(
     request: pytest.FixtureRequest, upstream_url: str
 ) -> Iterator[tuple[Starlette, str]]:
-    """A served proxy (its upstream requests on proxy.wire) with one key of 1 request/minute,
+    """A served proxy (its upstream requests on its own transport) with one key of 1 request/minute,
     its quota in memory or in Redis."""
     quota = request.getfixturevalue("redis_quota") if request.param == "redis" else {}
     app, server = serve_keyed(upstream_url, quota, requests_per_minute=1)

@@ -76,7 +76,7 @@ async def make_app() -> AsyncIterator[Any]:
     made: list[App] = []
 
     async def make(settings: Settings) -> App:
-        app = create_app(settings)
+        app = create_app(settings, transport=httpx.AsyncHTTPTransport())  # respx patches it
         transport = httpx.ASGITransport(app=app)
         client = httpx.AsyncClient(transport=transport, base_url="http://proxy.test")
         made.append(App(app, client))

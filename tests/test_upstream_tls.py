@@ -1,7 +1,7 @@
-"""proxy.wire over TLS against a real TLS upstream on 127.0.0.1 (a certificate authority
-made in the test by trustme, trusted through SSL_CERT_FILE as httpx's context reads it):
-certificates and host names verified, SNI sent, ALPN http/1.1, keep-alive, and a refused
-certificate answered 502 with why."""
+"""The upstream client over TLS against a real TLS upstream on 127.0.0.1 (a certificate
+authority made in the test by trustme, trusted through SSL_CERT_FILE as httpx's context reads
+it): certificates and host names verified, SNI sent, ALPN http/1.1, keep-alive, timeouts, and
+a refused certificate answered 502 with why."""
 
 from __future__ import annotations
 
@@ -101,25 +101,34 @@ def client_for(url: str, **settings: float) -> httpx.AsyncClient:
     return create_upstream_client(UpstreamSettings(base_url=url, **settings))  # type: ignore[arg-type]
 
 
-async def test_https_requests_go_over_the_wire_verified_with_sni_and_alpn(
+def transport_and_client(
+    url: str, **settings: float
+) -> tuple[UpstreamTransport, httpx.AsyncClient]:
+    upstream_settings = UpstreamSettings(base_url=url, **settings)  # type: ignore[arg-type]
+    transport = UpstreamTransport.for_settings(upstream_settings)
+    return transport, create_upstream_client(upstream_settings, transport)
+
+
+async def test_https_requests_are_verified_with_sni_and_alpn_and_kept_alive(
     authority: trustme.CA, trusted: None
 ) -> None:
     async def upload() -> AsyncIterator[bytes]:
         yield b"piece one "
         yield b"piece two"
 
-    async with tls_upstream(authority, "localhost") as upstream, client_for(upstream.url) as client:
-        transport = client._transport
-        assert isinstance(transport, UpstreamTransport)
-        assert (await client.post(f"{upstream.url}/v1/chat", content=b"{}")).content == b"{}"
-        assert (await client.post(f"{upstream.url}/v1/files", content=upload())).content == b"{}"
-        head = await client.head(f"{upstream.url}/v1/files/f1")
-        assert (head.status_code, head.content) == (200, b"")
-        assert (await client.get(f"{upstream.url}/v1/models")).content == b"{}"
-        assert transport.slots.in_use == 0
+    async with tls_upstream(authority, "localhost") as upstream:
+        url = upstream.url
+        transport, client = transport_and_client(url)
+        async with client:
+            assert (await client.post(f"{url}/v1/chat", content=b"{}")).content == b"{}"
+            assert (await client.post(f"{url}/v1/files", content=upload())).content == b"{}"
+            head = await client.head(f"{url}/v1/files/f1")
+            assert (head.status_code, head.content) == (200, b"")
+            assert (await client.get(f"{url}/v1/models")).content == b"{}"
+            assert transport.slots.in_use == 0
     assert len(upstream.requests) == 4
-    assert upstream.names == ["localhost"]  # one connection, kept alive; SNI sent
-    assert upstream.protocols == ["http/1.1"]
+    assert upstream.names == ["localhost"] * 2  # one connection kept alive, one for HEAD; SNI
+    assert upstream.protocols == ["http/1.1"] * 2
 
 
 @pytest.mark.parametrize(
@@ -146,9 +155,7 @@ async def test_a_refused_certificate_is_a_502_saying_why(
         async with client_for(upstream.url) as client:
             with pytest.raises(httpx.ConnectError, match=why):
                 await client.post(f"{upstream.url}/v1/chat", content=b"{}")
-        settings = Settings.model_validate(
-            {"upstream": {"base_url": f"{upstream.url}/v1"}, "server": {"warm_connect_s": 0}}
-        )
+        settings = Settings.model_validate({"upstream": {"base_url": f"{upstream.url}/v1"}})
         app = create_app(settings)
         proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p")
         async with app.router.lifespan_context(app), proxy:
@@ -160,21 +167,13 @@ async def test_a_refused_certificate_is_a_502_saying_why(
     assert "TLS certificate" in error["message"] and why in error["message"]
 
 
-async def test_a_start_up_connection_carries_the_first_request_and_timeouts_hold(
-    authority: trustme.CA, trusted: None
-) -> None:
-    async with (
-        tls_upstream(authority, "localhost") as upstream,
-        client_for(upstream.url, timeout_s=0.3) as client,
-    ):
-        transport = client._transport
-        assert isinstance(transport, UpstreamTransport)
-        await transport.preconnect(httpx.URL(upstream.url), 5.0)
-        assert upstream.requests == []  # connected, not a byte of HTTP
-        async with client.stream("POST", f"{upstream.url}/stream", content=b"{}") as reply:
-            body = b"".join([chunk async for chunk in reply.aiter_raw()])
-        assert body == b"data: one\n\ndata: two\n\n"
-        assert upstream.names == ["localhost"]  # the first request took that connection
-        with pytest.raises(httpx.ReadTimeout):
-            await client.post(f"{upstream.url}/hang", content=b"{}")
-        assert transport.slots.in_use == 0
+async def test_streams_and_timeouts_over_tls(authority: trustme.CA, trusted: None) -> None:
+    async with tls_upstream(authority, "localhost") as upstream:
+        transport, client = transport_and_client(upstream.url, timeout_s=0.3)
+        async with client:
+            async with client.stream("POST", f"{upstream.url}/stream", content=b"{}") as reply:
+                body = b"".join([chunk async for chunk in reply.aiter_raw()])
+            assert body == b"data: one\n\ndata: two\n\n"
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(f"{upstream.url}/hang", content=b"{}")
+            assert transport.slots.in_use == 0
