@@ -16,7 +16,7 @@ from proxy.app import create_app
 from proxy.cli import main
 from proxy.settings import ConfigError, Settings
 from proxy.tokens import TokenCounter
-from tests.conftest import make_settings
+from tests.conftest import make_settings, respx_app
 from tests.upstream_fakes import FakeUpstream, summary_of
 
 MODEL = "gpt-4o-mini"
@@ -58,7 +58,7 @@ def fake(upstream: respx.MockRouter) -> FakeUpstream:
 
 async def open_client(**compaction: Any) -> httpx.AsyncClient:
     settings = make_settings(compaction=compaction, cache={"backend": "memory"})
-    transport = httpx.ASGITransport(app=create_app(settings))
+    transport = httpx.ASGITransport(app=respx_app(settings))
     return httpx.AsyncClient(transport=transport, base_url="http://p")
 
 

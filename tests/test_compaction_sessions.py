@@ -17,12 +17,11 @@ import httpx
 import pytest
 import respx
 
-from proxy.app import create_app
 from proxy.compaction.mask import STUB
 from proxy.compaction.prompt import SYSTEM_PROMPT
 from proxy.settings import Settings
 from proxy.tokens import TokenCounter
-from tests.conftest import UPSTREAM, make_settings
+from tests.conftest import UPSTREAM, make_settings, respx_app
 from tests.replay import (
     Session,
     Turn,
@@ -85,7 +84,7 @@ async def replay(
         compaction={"strategy": strategy, "budget_tokens": budget, **compaction},
         cache={"backend": "memory"},
     )
-    app = create_app(settings)
+    app = respx_app(settings)
     turns: list[Turn] = []
     masked: list[int] = []
     with respx.mock(base_url=UPSTREAM, assert_all_called=False) as router:
@@ -178,7 +177,7 @@ async def test_masking_is_deterministic_byte_for_byte() -> None:
         settings = make_settings(
             compaction={"strategy": "mask", "budget_tokens": 6000}, cache={"backend": "none"}
         )
-        app = create_app(settings)
+        app = respx_app(settings)
 
         def record(request: httpx.Request) -> httpx.Response:
             sent.append(request.content)

@@ -134,10 +134,10 @@ async def test_a_down_upstream_does_not_stop_the_start_nor_answer_for_the_first_
 async def test_a_failing_warm_up_does_not_stop_the_start(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("rehearsal broke")
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("model profiles broke")
 
-    monkeypatch.setattr(warmup, "rehearse", broken)
+    monkeypatch.setattr(warmup, "known_models", broken)
     async with fault_upstream() as upstream, started(served_app(upstream)) as client:
         reply = await client.post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 200
