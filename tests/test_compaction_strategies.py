@@ -13,14 +13,13 @@ import httpx
 import pytest
 import respx
 
-from proxy.app import create_app
 from proxy.compaction.mask import STUB
 from proxy.compaction.strategies import StrategyOptions, fingerprint_for, load_strategy
 from proxy.compactor import Compactor, Control, compaction_error
 from proxy.settings import Settings
 from proxy.store import NullStore
 from proxy.tokens import TokenCounter
-from tests.conftest import make_settings
+from tests.conftest import make_settings, respx_app
 from tests.upstream_fakes import FakeUpstream, summary_of
 
 MODEL = "gpt-4o-mini"
@@ -89,7 +88,7 @@ async def post(
     compaction: dict[str, Any], messages: list[dict[str, Any]], **headers: str
 ) -> httpx.Response:
     settings = make_settings(compaction=compaction, cache={"backend": "memory"})
-    app = create_app(settings)
+    app = respx_app(settings)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
         response = await client.post(
@@ -207,7 +206,7 @@ async def test_a_key_runs_its_own_strategy(fake: FakeUpstream) -> None:
         cache={"backend": "memory"},
         auth={"keys": keys},
     )
-    app = create_app(settings)
+    app = respx_app(settings)
     transport = httpx.ASGITransport(app=app)
     statuses = {}
     async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
