@@ -16,7 +16,7 @@ from proxy.compaction.protocol import Spend
 from proxy.compactor import model_of
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
-from proxy.forwarding import compact_and_forward, compacts, key_control, parse_control
+from proxy.forwarding import compact_and_forward, compacts, read_control
 from proxy.forwarding import reencode as reencode
 from proxy.jsonspans import Parsed
 from proxy.report import PASSTHROUGH
@@ -29,20 +29,19 @@ async def chat_completions(request: Request) -> Response:
     state = exchange.state
     try:
         caller = exchange.admit()
+        control = read_control(request, caller.key)
         raw = await read_body(request, state.settings.server.max_body_bytes)
         scope = state.gate.scope(caller, exchange.client_headers)
         # Kept for the next turn only when the compaction step will use what it derives.
-        memo = state.turns if compacts(request, caller, state.settings) else None
+        memo = state.turns if compacts(control, state.settings) else None
         body, spans = await parse_chat(raw, state.settings.server.max_messages, memo, scope)
         parsed = Parsed(raw, spans)
         exchange.describe(body)
-        control = parse_control(request)
         content, hide_usage = raw, False
         model = model_of(body)
         tap: ChatTap | None = None
         if caller.key is not None:
             check_model(caller.key, model)
-            control = key_control(request, control, caller.key)
             asked = state.meter.with_stream_usage(body, raw)
             if asked is not None:
                 (body, content), hide_usage = asked, True

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from proxy import __version__
+from proxy.serveflags import add_serve_flags, serve_overrides
 from proxy.settings import ConfigError, Settings, load_settings
 
 SERVE_HELP = """\
@@ -38,30 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=SERVE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("--config", metavar="PATH", help="TOML config file")
-    serve.add_argument(
-        "--upstream",
-        metavar="URL",
-        help="upstream base URL (upstream.base_url), e.g. https://api.openai.com/v1",
-    )
-    serve.add_argument("--host", help="address to bind (server.host, default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to bind (server.port, default 8080)")
-    serve.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning", "error"],
-        help="server.log_level (default info)",
-    )
-    serve.add_argument(
-        "--workers",
-        type=int,
-        metavar="N",
-        help="server.workers: processes sharing the port (default 1; see README)",
-    )
-    serve.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        help="server.log_format: text lines or one JSON object per line (default text)",
-    )
+    add_serve_flags(serve)
     serve.set_defaults(func=serve_command)
 
     from proxy.tokens import register_commands
@@ -86,26 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_keys(commands)
     return parser
-
-
-def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    server = {
-        key: value
-        for key, value in (
-            ("host", args.host),
-            ("port", args.port),
-            ("log_level", args.log_level),
-            ("log_format", args.log_format),
-            ("workers", args.workers),
-        )
-        if value is not None
-    }
-    if server:
-        overrides["server"] = server
-    if args.upstream is not None:
-        overrides["upstream"] = {"base_url": args.upstream}
-    return overrides
 
 
 def serve_command(args: argparse.Namespace) -> int:

@@ -533,6 +533,14 @@ class Compactor:
             )
         return stages
 
+    def fingerprint(self, model: str, strategy: str | None = None) -> str | None:
+        """The fingerprint of the strategy a request of `model` is compacted with (the store
+        keys on it; audit records and replay reports name it), None when it cannot be told."""
+        try:
+            return "+".join(stage.fingerprint for stage in self.stages_for(model, strategy))
+        except Exception:  # a strategy of the user's own that fails to build: no fingerprint
+            return None
+
     def options(self, summarizer_model: str) -> StrategyOptions:
         config = self.settings.compaction
         mask = config.mask

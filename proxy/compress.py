@@ -32,7 +32,7 @@ from proxy.compaction.protocol import Spend
 from proxy.compactor import Api, compaction_error
 from proxy.errors import ClientDisconnected, ProxyError, bad_request
 from proxy.exchange import Exchange
-from proxy.forwarding import key_control, parse_control
+from proxy.forwarding import read_control
 from proxy.jsonspans import Parsed
 from proxy.report import PASSTHROUGH, Outcome
 from proxy.usage import ChatTap
@@ -67,17 +67,16 @@ async def compress(request: Request) -> Response:
     state = exchange.state
     try:
         caller = exchange.admit()
+        control = read_control(request, caller.key)
         raw = await read_body(request, state.settings.server.max_body_bytes)
         body, spans = await parse_history(COMPRESS, raw, state.settings.server.max_messages)
         messages: list[Any] = body["messages"]
         model = body.get("model") or ""
         exchange.describe(body)
-        control = parse_control(request)
         tap: ChatTap | None = None
         if caller.key is not None:
             if model:
                 check_model(caller.key, model)
-            control = key_control(request, control, caller.key)
             # Only the summarizer's calls are billed: recorded once the step is over.
             tap = exchange.usage = state.meter.tap(
                 caller.key.id, model, PASSTHROUGH, hide_usage=False, spend=Spend()

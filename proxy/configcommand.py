@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from proxy.redact import MASK, redact_url
+from proxy.serveflags import add_serve_flags, serve_overrides
 from proxy.settings import Settings, load_settings, named_variables
 
 EXAMPLE_NAME = "proxy.example.toml"
@@ -45,13 +46,7 @@ def register_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
             "Secrets are shown as ***; env vars the configuration names are listed on stderr."
         ),
     )
-    show.add_argument("--config", metavar="PATH", help="TOML config file")
-    show.add_argument("--upstream", metavar="URL", help="as for serve")
-    show.add_argument("--host", help="as for serve")
-    show.add_argument("--port", type=int, help="as for serve")
-    show.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    show.add_argument("--log-format", choices=["text", "json"])
-    show.add_argument("--workers", type=int, metavar="N", help="as for serve")
+    add_serve_flags(show)  # the same flags as serve, meaning the same
     show.set_defaults(func=show_command)
     example = actions.add_parser(
         "example",
@@ -62,8 +57,6 @@ def register_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def show_command(args: argparse.Namespace) -> int:
-    from proxy.cli import serve_overrides  # the flags mean what they mean to serve
-
     settings = load_settings(args.config, serve_overrides(args))
     print(json.dumps(redacted(settings), indent=2))
     named = sorted(named_variables([settings.model_dump()], {}))

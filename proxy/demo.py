@@ -101,7 +101,8 @@ def fake_upstream_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.testing.app import OfflineTokenizerMissing, load_offline_tokenizer
-    from proxy.testing.fake_openai import Call, FakeOpenAI, Item, ToolCall
+    from proxy.testing.fake_openai import Call, FakeOpenAI
+    from proxy.testing.script import Item, ToolCall
 
     try:
         load_offline_tokenizer()  # the fake counts usage with the proxy's own counter

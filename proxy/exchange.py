@@ -20,8 +20,6 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -36,6 +34,7 @@ from proxy.errors import ProxyError
 from proxy.headers import REQUEST_ID, Headers, client_headers_of
 from proxy.quota.ledger import Reservation
 from proxy.quota.quotas import Verdict
+from proxy.record import CURRENT_RECORD, Record, current_record
 from proxy.report import PASSTHROUGH, Outcome
 from proxy.state import ProxyState
 from proxy.upstream import ReplyTap, RequestContent
@@ -45,45 +44,6 @@ log = logging.getLogger("proxy.exchange")
 T = TypeVar("T")
 
 _REQUEST_ID_BYTES = REQUEST_ID.encode("latin-1")
-
-
-@dataclass(slots=True)
-class Record:
-    """What the access log and the metrics know of one request; never content or secrets.
-
-    Times are seconds (`started` on the perf_counter clock). `None`: not known or not
-    applicable (no upstream call, no compaction step, the client left before an answer).
-    """
-
-    request_id: str
-    method: str
-    path: str  # without the query string
-    client: str | None
-    started: float
-    route: str = ""  # the matched route's template ("/v1/{path:path}"): bounded, for labels
-    status: int | None = None  # what the client was sent
-    model: str | None = None
-    stream: bool | None = None
-    tokens_before: int | None = None
-    tokens_after: int | None = None
-    compaction: str | None = None  # Outcome.status
-    compaction_reason: str | None = None
-    cache: str | None = None
-    upstream_status: int | None = None
-    upstream_ttfb_s: float | None = None
-    overhead_s: float | None = None  # arrival -> the upstream request went out
-    duration_s: float | None = None  # arrival -> last byte sent (or the client left)
-    key_id: str | None = None  # the proxy key that authorised the request, when keys are on
-    team: str | None = None  # that key's team
-    limit: str | None = None  # the quota limit that refused it (a 429), e.g. "spend_usd_per_day"
-
-
-_current: ContextVar[Record | None] = ContextVar("compaction_proxy_exchange", default=None)
-
-
-def current_record() -> Record | None:
-    """The record of the request this code runs for (None outside any request)."""
-    return _current.get()
 
 
 class UsageTap(Protocol):
@@ -134,7 +94,7 @@ class ExchangeMiddleware:
             started=time.perf_counter(),
         )
         sinks = self.sinks
-        token = _current.set(record)
+        token = CURRENT_RECORD.set(record)
         for sink in sinks:
             sink.started(record)
 
@@ -157,7 +117,7 @@ class ExchangeMiddleware:
             record.duration_s = time.perf_counter() - record.started
             for sink in sinks:
                 sink.finished(record)
-            _current.reset(token)
+            CURRENT_RECORD.reset(token)
 
 
 def _request_id(raw_headers: Iterable[tuple[bytes, bytes]]) -> str:
@@ -190,7 +150,7 @@ class Exchange:
         self.request = request
         self.state: ProxyState = request.app.state.proxy
         self.client_headers: Headers = client_headers_of(request.scope)
-        record = _current.get()
+        record = current_record()
         if record is None:  # the app mounted without its middleware
             request_id = _request_id(request.scope["headers"])
             record = Record(request_id, request.method, request.url.path, None, time.perf_counter())

@@ -8,7 +8,7 @@ field holding the history, its adapter and its counter; proxy/compactor.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from starlette.requests import Request
@@ -85,48 +85,54 @@ async def compact_and_forward(
     return response, {**verdict.headers, "x-compaction-audit": audit_id}
 
 
-def compacts(request: Request, caller: Caller, settings: Settings) -> bool:
+def compacts(control: Control, settings: Settings) -> bool:
     """Whether the compaction step will run (count, maybe cut): not with `x-compaction: off`
     (or a key's mode "off" when the request does not say), nor with compaction disabled."""
-    if not settings.compaction.enabled:
-        return False
-    mode = request.headers.get("x-compaction")
-    if mode is None:
-        return caller.key is None or caller.key.mode != "off"
-    return mode.strip().lower() != "off"
+    return settings.compaction.enabled and control.mode != "off"
 
 
-def key_control(request: Request, control: Control, key: ProxyKey) -> Control:
-    """A key's compaction defaults; the request's own control headers still win."""
-    if key.mode is None and key.budget_tokens is None and key.strategy is None:
-        return Control(control.mode, control.budget, prepare=key.prepare)
-    mode = control.mode
-    if key.mode is not None and "x-compaction" not in request.headers:
-        mode = key.mode
-    budget = control.budget if control.budget is not None else key.budget_tokens
-    return Control(mode=mode, budget=budget, strategy=key.strategy, prepare=key.prepare)
+def read_control(request: Request, key: ProxyKey | None) -> Control:
+    """The request's compaction controls, its headers read once: `x-compaction:
+    off|force|auto` and `x-compaction-budget: N`, over its proxy key's defaults (mode,
+    budget, strategy, preparing ahead); what the request says wins. A bad value is a 400."""
+    asked = request.headers.get("x-compaction")
+    mode = None if asked is None else _mode(asked)
+    budget = _budget(request.headers.get("x-compaction-budget"))
+    if key is None:
+        return Control(mode=mode or "auto", budget=budget)
+    return Control(
+        mode=mode or key.mode or "auto",
+        budget=budget if budget is not None else key.budget_tokens,
+        strategy=key.strategy,
+        prepare=key.prepare,
+    )
 
 
-def parse_control(request: Request) -> Control:
-    """The per-request control headers: `x-compaction: off|force|auto`, `x-compaction-budget: N`."""
-    mode = request.headers.get("x-compaction", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "off", "force"):
+Mode = Literal["auto", "off", "force"]
+_MODES: dict[str, Mode] = {"auto": "auto", "off": "off", "force": "force", "": "auto"}
+
+
+def _mode(text: str) -> Mode:
+    mode = _MODES.get(text.strip().lower())
+    if mode is not None:
+        return mode
+    raise bad_request(
+        f"Invalid x-compaction header {text.strip().lower()!r}: expected 'auto', 'off' or 'force'.",
+        param="x-compaction",
+        code="invalid_header",
+    )
+
+
+def _budget(text: str | None) -> int | None:
+    if text is None:
+        return None
+    if not _is_positive_integer(text):
         raise bad_request(
-            f"Invalid x-compaction header {mode!r}: expected 'auto', 'off' or 'force'.",
-            param="x-compaction",
+            f"Invalid x-compaction-budget header {text!r}: expected a positive integer.",
+            param="x-compaction-budget",
             code="invalid_header",
         )
-    budget: int | None = None
-    raw_budget = request.headers.get("x-compaction-budget")
-    if raw_budget is not None:
-        if not _is_positive_integer(raw_budget):
-            raise bad_request(
-                f"Invalid x-compaction-budget header {raw_budget!r}: expected a positive integer.",
-                param="x-compaction-budget",
-                code="invalid_header",
-            )
-        budget = int(raw_budget.strip())
-    return Control(mode=mode, budget=budget)  # type: ignore[arg-type]
+    return int(text.strip())
 
 
 def _is_positive_integer(text: str) -> bool:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
-from proxy.exchange import Record, current_record
+from proxy.record import Record, current_record
 from proxy.upstream import UpstreamBrokeOff
 
 LogFormat = Literal["text", "json"]

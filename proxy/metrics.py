@@ -25,7 +25,7 @@ import contextlib
 import hmac
 import os
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -44,11 +44,9 @@ from starlette.responses import Response
 from proxy.errors import ProxyError
 from proxy.preparer import Result
 from proxy.quota.ledger import UsageCounts
+from proxy.record import Record
 from proxy.report import Outcome, Usage
 from proxy.store import SummaryStore
-
-if TYPE_CHECKING:
-    from proxy.exchange import Record
 
 _Mode = Literal["livesum", "all"]
 MAX_MODELS = 50

@@ -29,7 +29,7 @@ from proxy.compaction.render import content_text
 from proxy.compactor import model_of
 from proxy.errors import ClientDisconnected, ProxyError
 from proxy.exchange import Exchange
-from proxy.forwarding import compact_and_forward, compacts, key_control, parse_control
+from proxy.forwarding import compact_and_forward, compacts, read_control
 from proxy.jsonspans import Parsed
 from proxy.report import PASSTHROUGH
 from proxy.usage import ChatTap
@@ -44,25 +44,24 @@ async def responses(request: Request) -> Response:
     state = exchange.state
     try:
         caller = exchange.admit()
+        control = read_control(request, caller.key)
         raw = await read_body(request, state.settings.server.max_body_bytes)
         scope = state.gate.scope(caller, exchange.client_headers)
-        runs = compacts(request, caller, state.settings)
+        runs = compacts(control, state.settings)
         memo = state.turns if runs else None
         body, spans = await parse_responses(raw, state.settings.server.max_messages, memo, scope)
         parsed = Parsed(raw, spans)
         exchange.describe(body)
-        control = parse_control(request)
         model = model_of(body)
         tap: ChatTap | None = None
         if caller.key is not None:
             check_model(caller.key, model)
-            control = key_control(request, control, caller.key)
             # The stream's `response.completed` and the JSON reply always carry `usage`.
             tap = exchange.usage = state.meter.tap(
                 caller.key.id, model, PASSTHROUGH, hide_usage=False, spend=Spend()
             )
         api = state.compactor.responses
-        skip = skip_reason(body) if runs and control.mode != "off" else None
+        skip = skip_reason(body) if runs else None
         step = (exchange, "responses", api, body, raw, caller, control, parsed, scope, tap)
         response, quota_headers = await exchange.guard(
             lambda: compact_and_forward(*step, skip=skip)

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.exchange import Record, _current
 from proxy.logs import AccessLog, LogFormat, access_fields, access_log, log_config
+from proxy.record import CURRENT_RECORD, Record
 
 ODD = [" ", "", '"', "=", "\n", "a b", 'say "hi"', "k=v", "line\nbreak", "é", "日本語",
        "None", "true", "\\", "\t", "\x00", "\r", "\x1b[2J", "\x7f", "\x85", "\u2028",
@@ -89,11 +89,11 @@ def proxy_logging(log_format: LogFormat, level: str = "info") -> Iterator[io.Str
 
 def finish(record: Record, current: Record | None = None) -> None:
     """The access log told that `record` is over, with `current` the request being served."""
-    token = _current.set(current)
+    token = CURRENT_RECORD.set(current)
     try:
         AccessLog().finished(record)
     finally:
-        _current.reset(token)
+        CURRENT_RECORD.reset(token)
 
 
 def read_fields(line: str) -> dict[str, object]:

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from proxy.cli import build_parser, main, serve_overrides
+from proxy.cli import build_parser, main
+from proxy.serveflags import serve_overrides
 from proxy.settings import ConfigError, Settings, load_settings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "proxy.example.toml"

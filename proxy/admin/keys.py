@@ -34,8 +34,17 @@ from starlette.responses import JSONResponse, Response
 from proxy.admin.access import check_admin
 from proxy.admin.audit import audit_entry, log_entry
 from proxy.auth.keys import ProxyKey, policy_key
-from proxy.auth.keystore import Conflict, KeyStore, Kind, Record, StoreUnavailable
-from proxy.auth.records import Snapshot, StoredKey, StoredTeam, new_secret
+from proxy.auth.keystore import KeyStore
+from proxy.auth.records import (
+    Conflict,
+    Kind,
+    Record,
+    Snapshot,
+    StoredKey,
+    StoredTeam,
+    StoreUnavailable,
+    new_secret,
+)
 from proxy.auth.source import KeySource
 from proxy.errors import ProxyError, bad_request
 from proxy.settings import (

@@ -14,7 +14,7 @@ import datetime as dt
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from proxy.exchange import Record
+from proxy.record import Record
 
 # limit -> rows, newest first: time (ISO 8601), request_id, key_id, team, model, status,
 # reason, tokens_before, tokens_after.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from proxy.compactor import Control, model_of
-from proxy.replay.engine import strategy_fingerprint
 from proxy.report import Outcome
 
 if TYPE_CHECKING:
@@ -34,9 +33,7 @@ def audit(
             body=body,
             outcome=outcome,
             strategy=strategy,
-            fingerprint=lambda: strategy_fingerprint(
-                state.compactor, model_of(body), control.strategy
-            ),
+            fingerprint=lambda: state.compactor.fingerprint(model_of(body), control.strategy),
         )
     except Exception as exc:  # a record that cannot be taken never fails its request
         trail.failed(exc)

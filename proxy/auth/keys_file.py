@@ -25,7 +25,6 @@ from proxy.settings import ConfigError, KeySettings, LimitSettings, format_valid
 log = logging.getLogger("proxy.auth")
 
 
-
 class _Tables(BaseModel):
     """What the file holds, validated together so an error names its place (keys.0.id)."""
 

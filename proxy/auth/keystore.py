@@ -18,22 +18,17 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from proxy.auth.records import Snapshot, StoredKey, StoredTeam
+from proxy.auth.records import (
+    AUDIT_CAP,
+    Conflict,
+    Kind,
+    Record,
+    Snapshot,
+    StoreUnavailable,
+)
 from proxy.settings import ConfigError, Settings
-
-Kind = Literal["key", "team"]
-Record = StoredKey | StoredTeam
-AUDIT_CAP = 10_000  # audit entries a store keeps (Redis list; the file is trimmed past 2x)
-
-
-class Conflict(Exception):
-    """The record changed since it was read (or exists, or is gone)."""
-
-
-class StoreUnavailable(Exception):
-    """The store could not be read or written."""
 
 
 class KeyStore(Protocol):

@@ -20,8 +20,16 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from proxy.auth.keystore import AUDIT_CAP, Conflict, Kind, Record, StoreUnavailable
-from proxy.auth.records import Snapshot, StoredKey, StoredTeam
+from proxy.auth.records import (
+    AUDIT_CAP,
+    Conflict,
+    Kind,
+    Record,
+    Snapshot,
+    StoredKey,
+    StoredTeam,
+    StoreUnavailable,
+)
 from proxy.store.connect import RedisClient
 
 # KEYS: the table (records or teams), version, audit. ARGV: name, expected rev ("" = absent),

@@ -14,11 +14,23 @@ import hashlib
 import os
 import secrets
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.settings import KEY_ID_PATTERN, LimitSettings, PolicySettings
+
+Kind = Literal["key", "team"]
+AUDIT_CAP = 10_000  # audit entries a store keeps (Redis list; the file is trimmed past 2x)
+
+
+class Conflict(Exception):
+    """The record changed since it was read (or exists, or is gone)."""
+
+
+class StoreUnavailable(Exception):
+    """The store could not be read or written."""
+
 
 # What the secrets the API makes start with: recognisable in a leaked log or a repository.
 SECRET_PREFIX = "sk-cp-"
@@ -104,3 +116,6 @@ def new_secret(expires_at: float | None = None) -> tuple[str, StoredSecret]:
         expires_at=expires_at,
     )
     return secret, stored
+
+
+Record = StoredKey | StoredTeam  # what a key store holds under a name

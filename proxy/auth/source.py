@@ -29,8 +29,8 @@ from pathlib import Path
 
 from proxy.auth.keys import KeyRing, Limits, RingEntry, Secret, policy_key, ring_entries
 from proxy.auth.keys_file import KeysFile, file_signature, read_keys_file
-from proxy.auth.keystore import KeyStore, StoreUnavailable
-from proxy.auth.records import Snapshot
+from proxy.auth.keystore import KeyStore
+from proxy.auth.records import Snapshot, StoreUnavailable
 from proxy.settings import AuthSettings, ConfigError, KeySettings, LimitSettings
 from proxy.store.protocol import RateLimitedLog
 

@@ -124,10 +124,3 @@ class Engine:
         )
 
 
-def strategy_fingerprint(compactor: Compactor, model: str, strategy: str | None) -> str | None:
-    """The fingerprint of the strategy a request of `model` was compacted with (the store
-    keys on it), or None when it cannot be told."""
-    try:
-        return "+".join(stage.fingerprint for stage in compactor.stages_for(model, strategy))
-    except Exception:  # a strategy of the user's own that fails to build: no fingerprint
-        return None

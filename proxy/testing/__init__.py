@@ -10,16 +10,9 @@ The pytest plugin (`-p compaction_proxy`) wires them into fixtures.
 """
 
 from proxy.testing.app import FAKE_UPSTREAM, make_app, make_settings
-from proxy.testing.fake_openai import (
-    FAKE_SUMMARY_PREFIX,
-    BrokenStream,
-    Call,
-    Error,
-    FakeOpenAI,
-    Reply,
-    ToolCall,
-)
+from proxy.testing.fake_openai import FAKE_SUMMARY_PREFIX, Call, FakeOpenAI
 from proxy.testing.report import CompactionReport
+from proxy.testing.script import BrokenStream, Error, Reply, ToolCall
 from proxy.testing.serve import serve
 
 __all__ = [

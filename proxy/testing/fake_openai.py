@@ -26,7 +26,7 @@ import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import httpx
@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from proxy.compaction.prompt import SYSTEM_PROMPT
 from proxy.testing import fake_responses
 from proxy.testing.app import FAKE_UPSTREAM, load_offline_tokenizer, make_settings
+from proxy.testing.script import DEFAULT_REPLY, BrokenStream, Error, Item, Reply, ToolCall
 from proxy.tokens import TokenCounter
 from proxy.tokens.responses import ResponsesCounter
 
@@ -42,69 +43,12 @@ if TYPE_CHECKING:  # respx is needed to mock, not to serve (`compaction-proxy fa
     import respx
 
 FAKE_SUMMARY_PREFIX = "FAKE SUMMARY"
-DEFAULT_REPLY = "Hello from the fake upstream."
 DEFAULT_MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini")
 CREATED = 1_700_000_000
 
 Kind = Literal["chat", "responses", "summarizer", "models", "other"]
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """A function call the assistant makes; `arguments` as a dict (sent as JSON) or a string."""
-
-    name: str
-    arguments: Mapping[str, Any] | str = field(default_factory=dict)
-    id: str | None = None
-
-    def arguments_json(self) -> str:
-        if isinstance(self.arguments, str):
-            return self.arguments
-        return json.dumps(dict(self.arguments))
-
-
-@dataclass(frozen=True)
-class Reply:
-    """An assistant reply: text and/or tool calls, after an optional delay."""
-
-    content: str | None = None
-    tool_calls: Sequence[ToolCall] = ()
-    finish_reason: str | None = None  # default: "tool_calls" with tool calls, else "stop"
-    delay_s: float = 0.0
-    headers: Mapping[str, str] = field(default_factory=dict)
-    usage: Mapping[str, Any] | None = None  # reported as given; default: counted
-    # On the Responses API: a `reasoning` item (with `encrypted_content`) before the output.
-    reasoning: str | None = None
-
-
-@dataclass(frozen=True)
-class Error:
-    """An HTTP error reply; `body` defaults to an OpenAI-style error envelope."""
-
-    status: int = 500
-    body: Any = None
-    message: str = "The fake upstream was told to fail."
-    delay_s: float = 0.0
-    headers: Mapping[str, str] = field(default_factory=dict)
-
-    def json_body(self) -> Any:
-        if self.body is not None:
-            return self.body
-        code = "rate_limit_exceeded" if self.status == 429 else "fake_error"
-        return {
-            "error": {"message": self.message, "type": "server_error", "param": None, "code": code}
-        }
-
-
-@dataclass(frozen=True)
-class BrokenStream:
-    """A 200 whose body breaks off: after `after_chunks` SSE events, or half-way for JSON."""
-
-    reply: Reply | str = DEFAULT_REPLY
-    after_chunks: int = 1
-
-
-Item = str | Reply | ToolCall | Error | BrokenStream
 
 
 @dataclass

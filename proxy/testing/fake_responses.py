@@ -18,12 +18,11 @@ import hashlib
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
-if TYPE_CHECKING:
-    from proxy.testing.fake_openai import Reply, ToolCall
+from proxy.testing.script import Reply, ToolCall
 
 CREATED = 1_700_000_000
 
