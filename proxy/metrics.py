@@ -97,7 +97,8 @@ def _bearer_is(request: Request, token: str) -> bool:
 
 
 class Metrics:
-    """Every family the proxy exports (README "Metrics" lists them with their labels)."""
+    """Every family the proxy exports (docs/operations.md, "Metrics", lists them with their
+    labels)."""
 
     def __init__(self, store: SummaryStore, token: str | None = None) -> None:
         self.store = store

@@ -1,5 +1,5 @@
-"""The README's "Your own strategy" examples, run as written: loaded by name, end to end
-through the proxy (the summarizing one with the summary store)."""
+"""The "Your own strategy" examples of docs/compaction.md, run as written: loaded by name, end
+to end through the proxy (the summarizing one with the summary store)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from tests.agent_sim import TOOLS, agent_turns
 from tests.conftest import make_settings, respx_app
 from tests.upstream_fakes import FakeUpstream
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "compaction.md"
 
 
 def readme_examples() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("#### Your own strategy") :]
-    section = section[: section.index("\n### ")]
+    text = PAGE.read_text(encoding="utf-8")
+    section = text[text.index("\n## Your own strategy\n") :]
+    section = section[: section.index("\n## ", 1)]
     blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    assert len(blocks) == 2, "the README's strategy section has two python examples"
+    assert len(blocks) == 2, "the strategy section of docs/compaction.md has two python examples"
     return "\n\n".join(blocks)
 
 

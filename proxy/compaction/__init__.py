@@ -1,4 +1,5 @@
-"""Compaction strategies and what a strategy of your own needs (README, "Your own strategy").
+"""Compaction strategies and what a strategy of your own needs (docs/compaction.md, "Your own
+strategy").
 
 - `Compaction`: an async `compact(messages, llm) -> messages` (the reference's shape), with
   `LLM` the model it may call (`await llm.complete(messages, system=...) -> str`);

@@ -8,15 +8,14 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-README_SECTION = "## Testing your application with compaction-proxy"
+PAGE = REPO / "docs" / "testing-kit.md"
 
 
-def readme_example(index: int = 0) -> str:
-    """A Python code block of the README's testing section (the first by default)."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split(README_SECTION, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    assert len(blocks) > index, "the README's testing section has too few python blocks"
+def kit_example(index: int = 0) -> str:
+    """A Python code block of the testing kit's page, docs/testing-kit.md (the first by default)."""
+    text = PAGE.read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) > index, "docs/testing-kit.md has too few python blocks"
     return str(blocks[index])
 
 

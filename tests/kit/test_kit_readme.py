@@ -1,4 +1,5 @@
-"""The README's testing example runs as written, and the plugin is active only when asked."""
+"""The testing kit page's examples (docs/testing-kit.md) run as written, and the plugin is
+active only when asked."""
 
 from __future__ import annotations
 
@@ -8,24 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.kit.external import readme_example, run_pytest
+from tests.kit.external import kit_example, run_pytest
 
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A user's project: the README's example as its only test file."""
-    (tmp_path / "test_readme_example.py").write_text(readme_example(), encoding="utf-8")
+    """A user's project: the kit page's first example as its only test file."""
+    (tmp_path / "test_kit_example.py").write_text(kit_example(), encoding="utf-8")
     return tmp_path
 
 
-def test_the_readme_example_passes_with_the_plugin_opted_in(project: Path) -> None:
+def test_the_kit_example_passes_with_the_plugin_opted_in(project: Path) -> None:
     done = run_pytest(sys.executable, project, "-p", "compaction_proxy")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
 
 
-def test_the_readmes_sync_client_example_passes(tmp_path: Path) -> None:
-    (tmp_path / "test_sync_example.py").write_text(readme_example(1), encoding="utf-8")
+def test_the_kit_sync_client_example_passes(tmp_path: Path) -> None:
+    (tmp_path / "test_sync_example.py").write_text(kit_example(1), encoding="utf-8")
     done = run_pytest(sys.executable, tmp_path, "-p", "compaction_proxy")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.kit.external import REPO, readme_example, run_pytest
+from tests.kit.external import REPO, kit_example, run_pytest
 
 
 def run(*args: str | Path, cwd: Path) -> str:
@@ -68,7 +68,7 @@ def test_the_wheel_installs_an_opt_in_plugin_into_a_fresh_venv(tmp_path: Path) -
 
     project = tmp_path / "project"
     project.mkdir()
-    (project / "test_readme_example.py").write_text(readme_example(), encoding="utf-8")
+    (project / "test_kit_example.py").write_text(kit_example(), encoding="utf-8")
     opted_in = run_pytest(str(python), project, "-p", "compaction_proxy")
     assert opted_in.returncode == 0, opted_in.stdout + opted_in.stderr
     assert "1 passed" in opted_in.stdout
