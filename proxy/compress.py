@@ -79,8 +79,9 @@ async def compress(request: Request) -> Response:
                 check_model(caller.key, model)
             # Only the summarizer's calls are billed: recorded once the step is over.
             tap = exchange.usage = state.meter.tap(
-                caller.key.id, model, PASSTHROUGH, hide_usage=False, spend=Spend()
-            )
+                caller.key.id, model, PASSTHROUGH, hide_usage=False, spend=Spend(),
+                team=caller.key.team,
+            )  # fmt: skip
         api = api_for(state.compactor, messages)
         scope = state.gate.scope(caller, exchange.client_headers)
 

@@ -32,7 +32,7 @@ from proxy.exchange import Exchange
 from proxy.forwarding import compact_and_forward, compacts, read_control
 from proxy.jsonspans import Parsed
 from proxy.report import PASSTHROUGH
-from proxy.usage import ChatTap
+from proxy.usage import ChatTap, end_user
 from proxy.validation import discard_messages, parse_responses, read_body
 
 # What Codex's own compaction request asks in its last user message.
@@ -58,8 +58,9 @@ async def responses(request: Request) -> Response:
             check_model(caller.key, model)
             # The stream's `response.completed` and the JSON reply always carry `usage`.
             tap = exchange.usage = state.meter.tap(
-                caller.key.id, model, PASSTHROUGH, hide_usage=False, spend=Spend()
-            )
+                caller.key.id, model, PASSTHROUGH, hide_usage=False, spend=Spend(),
+                team=caller.key.team, user=end_user(body),
+            )  # fmt: skip
         api = state.compactor.responses
         skip = skip_reason(body) if runs else None
         step = (exchange, "responses", api, body, raw, caller, control, parsed, scope, tap)

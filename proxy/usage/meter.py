@@ -590,8 +590,11 @@ _USER_CHARS = 64
 
 
 def end_user(body: Mapping[str, Any]) -> str:
-    """The end user a request is for (its `user` field, cut to 64 characters; "" none)."""
-    user = body.get("user")
-    if not isinstance(user, str):
-        return ""
-    return user[:_USER_CHARS].strip()
+    """The end user a request is for: its `user` field, else `safety_identifier` (OpenAI's
+    newer name for the same thing, on chat and Responses requests alike), cut to 64
+    characters; "" none."""
+    for field in ("user", "safety_identifier"):
+        user = body.get(field)
+        if isinstance(user, str) and user.strip():
+            return user[:_USER_CHARS].strip()
+    return ""

@@ -33,6 +33,7 @@ async def client(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Client]:
         "id": "team-r",
         "key_sha256": hashlib.sha256(KEY.encode()).hexdigest(),
         "budget_tokens": 3000,
+        "team": "codex-users",
     }
     app = make_app(auth={"keys": [entry]}, admin={"token_env": "ADMIN_TOKEN"})
     fake = FakeOpenAI()
@@ -80,6 +81,26 @@ async def test_usage_is_read_from_the_reply_cached_tokens_included(
     after = int(reply.headers["x-compaction-tokens-after"])
     assert row["tokens_saved"] == before - after > 0
     assert row["summarizer_prompt_tokens"] > 0  # the summary call, billed to the key
+
+
+async def test_usage_names_the_keys_team_and_the_requests_end_user(client: Client) -> None:
+    """`user`, or its newer name `safety_identifier`, says whom a request is for."""
+    http, fake = client.http, client.fake
+    fake.replies = [Reply("ok", usage=USAGE)] * 3
+    bodies = [
+        {**responses_body([]), "user": "alice"},
+        {**responses_body([]), "safety_identifier": "bob"},
+        responses_body([]),
+    ]
+    for body in bodies:
+        auth = {"authorization": f"Bearer {KEY}"}
+        reply = await http.post("/v1/responses", json=body, headers=auth)
+        assert reply.status_code == 200
+    await client.state.meter.join()
+    grouped = await http.get("/admin/usage", params={"group_by": "team,user"}, headers=ADMIN)
+    assert grouped.status_code == 200, grouped.text
+    rows = {(row["team"], row["user"]): row["requests"] for row in grouped.json()["data"]}
+    assert rows == {("codex-users", "alice"): 1, ("codex-users", "bob"): 1}
 
 
 async def test_a_key_without_a_credential_is_refused(client: Client) -> None:
