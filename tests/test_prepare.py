@@ -20,6 +20,7 @@ import pytest
 import respx
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.app import create_app
 from proxy.report import Usage
 from proxy.settings import Settings
 from proxy.store import StoredSummary
