@@ -416,7 +416,10 @@ async def run_mode(
     mode: str, backend: str, sessions: Sequence[list[Message]], **compaction: Any
 ) -> Run:
     key_prefix = f"bench-agent-{secrets.token_hex(6)}:"
-    app = create_app(settings_for(backend, key_prefix, **compaction))
+    # httpx's own transport, which respx patches (the app's default, aiohttp, it cannot see).
+    app = create_app(
+        settings_for(backend, key_prefix, **compaction), transport=httpx.AsyncHTTPTransport()
+    )
     mock = MockUpstream()
     turns: list[Turn] = []
     started = time.perf_counter()

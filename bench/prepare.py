@@ -218,7 +218,9 @@ async def run_shape(
         mock = SlowSummarizer(summary_s)
         router.post(f"{upstream}/chat/completions").mock(side_effect=mock)
         prepare_at: float | str = "off" if mode == "off" else PREPARE_AT
-        apps.append(create_app(settings_for(upstream, shape.budget, prepare_at)))
+        # httpx's own transport, which respx patches (the app's default, aiohttp, it cannot see).
+        settings = settings_for(upstream, shape.budget, prepare_at)
+        apps.append(create_app(settings, transport=httpx.AsyncHTTPTransport()))
         results.append(Result(mode, summarizer=mock))
     clients = [
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
