@@ -203,7 +203,7 @@ class CompactionSettings(Section):
     budget_tokens: int = Field(100_000, gt=0)
     # "simple" | "structured" | "mask" | "hybrid" | "package.module:Name", or a list of them
     # applied in order while still over budget (see proxy/compaction/strategies.py).
-    strategy: str | list[str] = "simple"
+    strategy: str | list[str] = "hybrid"
     # A `compact` strategy's fingerprint, by its name in `strategy` (else derived).
     fingerprints: dict[str, str] = {}
     mask: MaskSettings = MaskSettings()

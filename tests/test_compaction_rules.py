@@ -276,13 +276,13 @@ def test_the_store_namespace_is_the_strategys_fingerprint() -> None:
         compactor = create_app(make_settings(compaction=compaction)).state.proxy.compactor
         return str(compactor.stages_for("m")[-1].namespace)
 
-    simple = namespace()
-    assert simple == namespace(max_preserved_messages=5, keep_recent_ratio=0.2)  # the cut only
-    assert simple == namespace(strategy="hybrid")  # what masking leaves is hashed as sent
+    simple = namespace(strategy="simple")
+    assert simple == namespace(strategy="simple", max_preserved_messages=5, keep_recent_ratio=0.2)
+    assert simple == namespace()  # the default, hybrid: what masking leaves is hashed as sent
     assert simple != namespace(strategy="structured")
-    assert simple != namespace(summary_max_tokens=999)
-    assert simple != namespace(custom_instruction="keep SQL")
-    assert simple != namespace(summary_role="system")
+    assert simple != namespace(strategy="simple", summary_max_tokens=999)
+    assert simple != namespace(strategy="simple", custom_instruction="keep SQL")
+    assert simple != namespace(strategy="simple", summary_role="system")
 
 
 def test_stages_are_made_once_per_summarizer_model_and_bounded() -> None:
@@ -337,7 +337,7 @@ async def test_a_long_history_is_cut_off_the_event_loop(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cut_module, "plan_cut", recording)
-    async with await open_client(budget_tokens=5000) as client:
+    async with await open_client(budget_tokens=5000, strategy="simple") as client:
         await post(client, agent(20, words=200))
         await post(client, agent(2600, words=2))  # 5,202 messages
     loop_thread = threading.get_ident()
@@ -360,3 +360,41 @@ async def test_a_stored_summary_over_budget_at_the_last_cut_is_over_budget_not_r
     assert len(fake.summary_calls) == calls  # nothing paid twice for the same span
     assert int(again.headers["x-compaction-tokens-after"]) == forwarded_tokens(counter, fake)
     assert fake.forwarded[-1]["messages"][-2:] == messages[-2:]
+
+
+# -- the default strategy ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("budget", "summarized"), [(8000, False), (3000, True)])
+async def test_the_default_masks_old_tool_outputs_first_and_holds_the_budget(
+    fake: FakeUpstream, counter: TokenCounter, budget: int, summarized: bool
+) -> None:
+    """The default strategy is hybrid: old tool outputs give way to stubs (no LLM call); a
+    summary is made only when what masking leaves is still over the budget, and either way
+    the forwarded request is within it."""
+    settings = make_settings(compaction={"budget_tokens": budget})
+    assert settings.compaction.strategy == Settings().compaction.strategy == "hybrid"
+    app = respx_app(settings)
+    assert [stage.name for stage in app.state.proxy.compactor.stages_for("m")] == [
+        "mask", "simple"
+    ]  # fmt: skip
+    messages = agent(20, words=300)  # ~12k tokens, nearly all of it tool output
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://p") as c:
+        response = await post(c, messages)
+    await app.state.proxy.upstream.client.aclose()
+    headers = response.headers
+    assert int(headers["x-compaction-tokens-before"]) > budget
+    assert headers["x-compaction-status"] == "compacted"
+    assert int(headers["x-compaction-messages-masked"]) > 0
+    after = int(headers["x-compaction-tokens-after"])
+    assert after == forwarded_tokens(counter, fake) <= budget
+    sent = fake.forwarded[-1]["messages"]
+    assert_valid(sent)
+    assert sent[1] == TASK and sent[-1] == messages[-1]
+    assert (int(headers["x-compaction-messages-summarized"]) > 0) is summarized
+    assert len(fake.summary_calls) == (1 if summarized else 0)
+    if not summarized:  # masking alone: every message kept, only old outputs' content stubbed
+        assert [m["role"] for m in sent] == [m["role"] for m in messages]
+        assert sum(m != o for m, o in zip(sent, messages, strict=True)) == int(
+            headers["x-compaction-messages-masked"]
+        )

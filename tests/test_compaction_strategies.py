@@ -202,7 +202,7 @@ async def test_a_key_runs_its_own_strategy(fake: FakeUpstream) -> None:
         {"id": "summarized", "key_sha256": _sha("sk-summarized")},
     ]
     settings = make_settings(
-        compaction={"budget_tokens": 3000, "mask": {"clear_at_least": 0}},
+        compaction={"budget_tokens": 3000, "strategy": "simple", "mask": {"clear_at_least": 0}},
         cache={"backend": "memory"},
         auth={"keys": keys},
     )

@@ -145,7 +145,7 @@ key_env = "PROXY_KEY_TEAM_B"
     shown = json.loads(out)
     assert shown["server"]["port"] == 7002  # flags over file
     assert shown["compaction"]["budget_tokens"] == 6000  # environment over file
-    assert shown["compaction"]["strategy"] == "simple"  # defaults
+    assert shown["compaction"]["strategy"] == "hybrid"  # defaults
     assert shown["upstream"]["base_url"] == "https://api.example.com/v1?key=***"
     assert shown["upstream"]["api_key"] == "***"
     assert shown["upstream"]["proxy_url"] == "http://***@egress.internal:3128"

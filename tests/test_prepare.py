@@ -102,6 +102,7 @@ def keyed(*keys: dict[str, Any], **compaction: Any) -> Settings:
         *(keys or (key_entry("team-a", KEY_A),)),
         compaction={
             "budget_tokens": BUDGET,
+            "strategy": "simple",  # summaries made ahead of need: the summarizing stage
             "summarizer": {"retries": 0, "timeout_s": 10},
             **compaction,
         },
@@ -257,7 +258,7 @@ async def test_keyless_clients_are_prepared_for_only_when_configured(
     fake: FakeUpstream, keyless: bool
 ) -> None:
     settings = make_settings(
-        compaction={"budget_tokens": BUDGET, "prepare_keyless": keyless},
+        compaction={"budget_tokens": BUDGET, "strategy": "simple", "prepare_keyless": keyless},
         cache={"backend": "memory"},
     )
     session = coding_agent(60)

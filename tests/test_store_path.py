@@ -25,7 +25,9 @@ BUDGET = 2000
 
 
 def settings_for(compaction: dict[str, Any] | None = None, **cache: Any) -> Any:
-    return make_settings(compaction={"budget_tokens": BUDGET, **(compaction or {})}, cache=cache)
+    """The summary store's tests: the summarizing strategy (by default masking comes first)."""
+    compaction = {"budget_tokens": BUDGET, "strategy": "simple", **(compaction or {})}
+    return make_settings(compaction=compaction, cache=cache)
 
 
 async def open_client(app: Starlette) -> httpx.AsyncClient:

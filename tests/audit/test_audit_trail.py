@@ -117,7 +117,7 @@ async def test_a_record_shows_what_was_done_and_never_the_key(
     assert record["tokens_before"] == int(audited[0].headers["x-compaction-tokens-before"])
     assert record["tokens_after"] == int(audited[0].headers["x-compaction-tokens-after"])
     assert record["summary"].startswith("<system>Previous context has been compacted")
-    assert record["span"] and record["key_id"] == "team-a" and record["strategy"] == "simple"
+    assert record["span"] and record["key_id"] == "team-a" and record["strategy"] == "hybrid"
     assert record["fingerprint"]
     for file in folder.iterdir():
         assert SECRET.encode() not in file.read_bytes()

@@ -39,7 +39,9 @@ def paired(messages: list[dict[str, Any]]) -> bool:
     return calls == results
 
 
-@pytest.mark.compaction_proxy(**BUDGET)
+# A summary, stored and reused: the summarizing strategy (by default, masking alone would
+# bring these tool outputs under the budget).
+@pytest.mark.compaction_proxy(compaction={"budget_tokens": 3000, "strategy": "simple"})
 async def test_chat_messages_over_budget_come_back_compacted(
     proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
@@ -116,7 +118,7 @@ async def test_with_keys_the_key_admits_and_its_budget_applies(
         "key_sha256": hashlib.sha256(key.encode()).hexdigest(),
         "budget_tokens": 2500,
     }
-    app = make_app(auth={"keys": [entry]})
+    app = make_app(auth={"keys": [entry]}, compaction={"strategy": "simple"})  # summarized
     fake = FakeOpenAI()
     with fake.mock():
         async with app.router.lifespan_context(app):

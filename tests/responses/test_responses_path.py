@@ -114,7 +114,7 @@ async def test_a_clients_own_compaction_request_passes_untouched(
     assert fake_openai.responses_calls[-1].request.content == sent
 
 
-@pytest.mark.compaction_proxy(**BUDGET)
+@pytest.mark.compaction_proxy(compaction={"budget_tokens": 3000, "strategy": "simple"})
 async def test_compaction_items_are_never_dropped_nor_moved(
     proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
 ) -> None:
@@ -129,6 +129,31 @@ async def test_compaction_items_are_never_dropped_nor_moved(
     forwarded = check_forwarded(sent, fake_openai.responses_calls[-1].request.content)
     position = forwarded.index(opaque)
     assert forwarded[: position + 1] == items[: position + 1]  # everything up to it in place
+
+
+@pytest.mark.compaction_proxy(**BUDGET)
+async def test_masking_leaves_compaction_items_in_place(
+    proxy_client: httpx.AsyncClient, fake_openai: FakeOpenAI
+) -> None:
+    """The default strategy masks first: outputs before an opaque compaction item may give
+    way to stubs, but no item is dropped or moved, the compaction item least of all."""
+    head = codex_history(5)
+    opaque = {"type": "compaction", "id": "cmp_1", "encrypted_content": "gAAAAA" + "z" * 4000}
+    items = [*head, opaque]
+    for i in range(10, 40):
+        items += tool_turn(i)
+    sent = dumps(responses_body(items))
+    reply = await post(proxy_client, sent)
+    assert reply.headers["x-compaction-status"] in ("compacted", "over_budget")
+    assert int(reply.headers["x-compaction-messages-masked"]) > 0
+    forwarded = check_forwarded(sent, fake_openai.responses_calls[-1].request.content)
+    position = items.index(opaque)
+    assert forwarded.index(opaque) == position
+    for out, item in zip(forwarded[:position], items[:position], strict=True):
+        if out != item:  # a masked output: the same item, its output a stub
+            assert out["type"] == item["type"] == "function_call_output"
+            assert out["call_id"] == item["call_id"]
+            assert out["output"].startswith("[tool output cleared to save context:")
 
 
 @pytest.mark.compaction_proxy(**BUDGET)

@@ -27,7 +27,11 @@ from tests.upstream_fakes import FakeUpstream
 def replica_settings(prefix: str) -> Settings:
     return keyed_settings(
         key_entry("team-a", KEY_A),
-        compaction={"budget_tokens": BUDGET, "summarizer": {"retries": 0, "timeout_s": 10}},
+        compaction={
+            "budget_tokens": BUDGET,
+            "strategy": "simple",  # summaries made ahead of need: the summarizing stage
+            "summarizer": {"retries": 0, "timeout_s": 10},
+        },
         cache={"backend": "redis", "redis_url": REDIS_URL, "key_prefix": prefix},
         quota={"key_prefix": prefix},
     )
