@@ -159,13 +159,19 @@ def shapes(turns: tuple[int, int], per_shape: int, seed: int) -> list[Shape]:
     ]
 
 
-def settings_for(upstream: str, budget: int, prepare_at: float | str) -> Settings:
+def settings_for(
+    upstream: str, budget: int, prepare_at: float | str, strategy: str | None = None
+) -> Settings:
     import hashlib
 
     return Settings.model_validate(
         {
             "upstream": {"base_url": upstream},
-            "compaction": {"budget_tokens": budget, "prepare_at": prepare_at},
+            "compaction": {
+                "budget_tokens": budget,
+                "prepare_at": prepare_at,
+                **({"strategy": strategy} if strategy is not None else {}),
+            },
             "cache": {"backend": "memory", "key_prefix": f"bench-prepare-{secrets.token_hex(4)}:"},
             "auth": {
                 "keys": [{"id": "bench", "key_sha256": hashlib.sha256(KEY.encode()).hexdigest()}]
@@ -210,8 +216,9 @@ async def session(
 
 
 async def run_shape(
-    router: respx.MockRouter, index: int, shape: Shape, summary_s: float, gap_s: float
-) -> list[Result]:
+    router: respx.MockRouter, index: int, shape: Shape, summary_s: float, gap_s: float,
+    strategy: str | None = None,
+) -> list[Result]:  # fmt: skip
     apps, results = [], []
     for mode in MODES:
         upstream = f"http://{'off' if mode == 'off' else 'prepare'}-{index}.bench/v1"
@@ -219,7 +226,7 @@ async def run_shape(
         router.post(f"{upstream}/chat/completions").mock(side_effect=mock)
         prepare_at: float | str = "off" if mode == "off" else PREPARE_AT
         # httpx's own transport, which respx patches (the app's default, aiohttp, it cannot see).
-        settings = settings_for(upstream, shape.budget, prepare_at)
+        settings = settings_for(upstream, shape.budget, prepare_at, strategy)
         apps.append(create_app(settings, transport=httpx.AsyncHTTPTransport()))
         results.append(Result(mode, summarizer=mock))
     clients = [
@@ -321,24 +328,28 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, nargs=2, default=[40, 160], metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--parallel", action="store_true", help="all shapes at once (faster)")
+    parser.add_argument(
+        "--strategy", default=None, help="compaction.strategy (default: the proxy's default)"
+    )
     args = parser.parse_args(argv)
     gap_s = args.gap_s if args.gap_s is not None else 1.25 * args.summary_s
     made = shapes((args.turns[0], args.turns[1]), args.sessions, args.seed)
     print(
         f"summarizer {args.summary_s:g} s, turns {gap_s:g} s apart; {args.sessions} sessions "
         f"per shape of {args.turns[0]}..{args.turns[1]} turns; proxy key, memory store, "
-        f"strategy simple; modes run side by side"
+        f"strategy {args.strategy or Settings().compaction.strategy}; modes run side by side"
     )
     rows: list[tuple[str, Result]] = []
     started = time.perf_counter()
+    timing = (args.summary_s, gap_s)
     with respx.mock(assert_all_called=False) as router:
         if args.parallel:
             results = await asyncio.gather(
-                *(run_shape(router, i, s, args.summary_s, gap_s) for i, s in enumerate(made))
+                *(run_shape(router, i, s, *timing, args.strategy) for i, s in enumerate(made))
             )
         else:  # one shape at a time: fewer clients on the loop, a steadier tail
             results = [
-                await run_shape(router, i, s, args.summary_s, gap_s) for i, s in enumerate(made)
+                await run_shape(router, i, s, *timing, args.strategy) for i, s in enumerate(made)
             ]
     for shape, pair in zip(made, results, strict=True):
         rows += [(f"{shape.name} {shape.budget // 1000}k", r) for r in pair]
