@@ -125,6 +125,12 @@ class Result:
         return [ms - self.base_ms for ms, jumped in self.crossings if not jumped]
 
     @property
+    def steady_waits(self) -> int:
+        """Crossing turns, jumps aside, that waited at least half a summary's time."""
+        half_ms = 0.0 if self.summarizer is None else 500 * self.summarizer.delay_s
+        return sum(1 for ms in self.steady_ms if ms >= half_ms)
+
+    @property
     def tokens(self) -> int:
         mock = self.summarizer
         return 0 if mock is None else mock.input_tokens + mock.output_tokens
@@ -287,8 +293,8 @@ def _ms(values: Sequence[float], p: float) -> str:
 def table(rows: list[tuple[str, Result]]) -> str:
     header = [
         "shape", "mode", "other turns p50 ms", "crossing turns (jumped)", "added p50 ms",
-        "added p99 ms", "added max ms", "p99 not jumped", "waited", "summ. calls", "summ. tokens",
-        "prepared made/used", "unused (tokens)", "forwarded tokens",
+        "added p99 ms", "added max ms", "p99 not jumped", "waited (not jumped)", "summ. calls",
+        "summ. tokens", "prepared made/used", "unused (tokens)", "forwarded tokens",
     ]  # fmt: skip
     lines = [header]
     for name, r in rows:
@@ -300,7 +306,7 @@ def table(rows: list[tuple[str, Result]]) -> str:
                 f"{len(r.crossings)} ({len(r.crossings) - len(r.steady_ms)})",
                 _ms(r.crossing_ms, 50), _ms(r.crossing_ms, 99), _ms(r.crossing_ms, 100),
                 _ms(r.steady_ms, 99),
-                str(r.paid_turns), str(calls), f"{r.tokens:,}",
+                f"{r.paid_turns} ({r.steady_waits})", str(calls), f"{r.tokens:,}",
                 "-" if r.mode == "off" else f"{r.made}/{r.used}",
                 "-" if r.mode == "off" else f"{wasted} ({wasted_tokens:,})",
                 f"{r.forwarded:,}",
