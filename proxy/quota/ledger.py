@@ -83,23 +83,12 @@ class Counters(NamedTuple):
 
 
 class Charge(NamedTuple):
-    """A key's counters (and its team's) after one charge's check (incremented only when
-    `denied is None`)."""
+    """A key's counters and its team's (zero without a team) after one charge's check
+    (incremented only when `denied is None`)."""
 
     denied: Denial | None
-    requests: int = 0
-    tokens_minute: int = 0
-    tokens_day: int = 0
-    spend_day_nano: int = 0
-    spend_month_nano: int = 0
-    team_requests: int = 0
-    team_tokens_minute: int = 0
-    team_tokens_day: int = 0
-    team_spend_day_nano: int = 0
-    team_spend_month_nano: int = 0
-
-    def counters(self, team: bool = False) -> Counters:
-        return Counters._make(self[6:11] if team else self[1:6])
+    key: Counters = Counters()
+    team: Counters = Counters()
 
 
 class Reservation(NamedTuple):

@@ -122,9 +122,7 @@ class MemoryLedger:
             c.count(tokens, reserve_nano)
             if t is not None:
                 t.count(tokens, reserve_nano)
-        if t is None:
-            return Charge(denied, c.rpm, c.tpm, c.tpd, c.spend_d, c.spend_m)
-        return Charge(denied, *c.counters(), *t.counters())
+        return Charge(denied, c.counters(), Counters() if t is None else t.counters())
 
     def settle(self, reservation: Reservation, delta_nano: int) -> None:
         """Done when it returns (the next request sees it, with no task to wait for)."""

@@ -224,7 +224,7 @@ class Quotas:
                 refusal=_denial(key, limits, charge, tokens, w),
                 limit=LIMIT_NAMES[charge.denied],
             )
-        headers = rate_limit_headers(limits, charge, w, _REPLY_NAMES)
+        headers = rate_limit_headers(limits, charge.key, w, _REPLY_NAMES)
         if team is not None and key.team_limits.any:
             headers = _with_team(headers, key, charge, w)
         return Verdict(counted=True, headers=headers, reservation=reservation)
@@ -302,7 +302,7 @@ def _with_team(
     """The reply's quota headers: the key's, and the team's for a kind (requests, tokens)
     the key has no limit of its own for."""
     team_headers = rate_limit_headers(
-        _limit_args(key.team_limits), charge.counters(team=True), w, _REPLY_NAMES
+        _limit_args(key.team_limits), charge.team, w, _REPLY_NAMES
     )
     return {**team_headers, **headers}
 
@@ -316,7 +316,7 @@ def usd_text(nano: int, least: int = 2) -> str:
 
 
 def rate_limit_headers(
-    limits: LimitArgs, charge: Charge | Counters, w: Windows, names: tuple[str, ...] = _NAMES
+    limits: LimitArgs, counters: Counters, w: Windows, names: tuple[str, ...] = _NAMES
 ) -> dict[str, str]:
     """x-ratelimit-{limit,remaining,reset}-{requests,tokens} (or `names` in that order)."""
     headers: dict[str, str] = {}
@@ -324,13 +324,13 @@ def rate_limit_headers(
     if limits.requests:
         minute_reset = duration_text(w.minute_reset_s)
         headers[names[0]] = str(limits.requests)
-        headers[names[1]] = str(max(0, limits.requests - charge.requests))
+        headers[names[1]] = str(max(0, limits.requests - counters.requests))
         headers[names[2]] = minute_reset
     if limits.tokens_minute:
-        used, limit = charge.tokens_minute, limits.tokens_minute
+        used, limit = counters.tokens_minute, limits.tokens_minute
         reset = minute_reset or duration_text(w.minute_reset_s)
     elif limits.tokens_day:
-        used, limit, reset = charge.tokens_day, limits.tokens_day, duration_text(w.day_reset_s)
+        used, limit, reset = counters.tokens_day, limits.tokens_day, duration_text(w.day_reset_s)
     else:
         return headers
     headers[names[3]] = str(limit)
@@ -349,7 +349,7 @@ def _denial(
     if team:
         limits = _limit_args(key.team_limits)
         denied = denied[5:]
-    counters = charge.counters(team)
+    counters = charge.team if team else charge.key
     who = f"team {key.team!r} (key {key.id!r})" if team else f"key {key.id!r}"
     headers = rate_limit_headers(limits, counters, w)
     code, kind = "rate_limit_exceeded", "tokens"

@@ -214,7 +214,7 @@ def _charge_of(result: bytes | str) -> Charge:
     """The charge script's result: `["<denial or empty>", requests, tokens per minute, tokens
     per day, spend today, spend this month]`, then the team's five."""
     denied, *counts = orjson.loads(result)
-    return Charge(denied or None, *counts)
+    return Charge(denied or None, Counters(*counts[:5]), Counters(*counts[5:]))
 
 
 class RedisLedger:

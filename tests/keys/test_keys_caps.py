@@ -333,7 +333,7 @@ async def test_a_reservation_of_a_request_given_up_on_its_charges_way_is_given_b
     (and counts the request), and its reservation is released at once, not left counted."""
     from proxy.auth.keys import Limits, ProxyKey
     from proxy.quota import Quotas
-    from proxy.quota.ledger import Charge, Reservation
+    from proxy.quota.ledger import Charge, Counters, Reservation
 
     class Held:
         name, errors, remote = "held", 0, True
@@ -356,7 +356,7 @@ async def test_a_reservation_of_a_request_given_up_on_its_charges_way_is_given_b
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    ledger.answer.set_result(Charge(None, 1))
+    ledger.answer.set_result(Charge(None, Counters(requests=1)))
     await until(lambda: bool(told))
     assert told == [True]
     [reservation] = released

@@ -316,8 +316,8 @@ async def test_memory_spend_written_after_midnight_never_turns_todays_counters_b
     # Yesterday's batch, flushed late: spend of yesterday, today's counters untouched.
     await ledger.record("k", "m", UsageCounts(requests=1, cost_nano_usd=5), today - 86400)
     charge = await ledger.charge("k", limits, 400, windows_at(today + 1))
-    assert (charge.denied, charge.requests, charge.tokens_day) == (None, 2, 800)
-    assert charge.spend_day_nano == 0
+    assert (charge.denied, charge.key.requests, charge.key.tokens_day) == (None, 2, 800)
+    assert charge.key.spend_day_nano == 0
     assert (await ledger.charge("k", limits, 400, windows_at(today + 2))).denied == "tokens_day"
 
 
@@ -362,7 +362,7 @@ async def test_a_charge_after_redis_forgot_the_script_loads_it_again(
         limits = LimitArgs.of(Limits(requests_per_minute=5))
         w = windows_at(1_800_000_010.0)
         charges = await asyncio.gather(*(ledger.charge("k", limits, 0, w) for _ in range(together)))
-        assert sorted(charge.requests for charge in charges) == list(range(1, together + 1))
+        assert sorted(charge.key.requests for charge in charges) == list(range(1, together + 1))
         assert all(charge.denied is None for charge in charges) and ledger.errors == 0
     finally:
         await ledger.close()
@@ -409,7 +409,7 @@ async def test_charges_reconnect_after_redis_drops_the_connection(redis_prefix: 
     limits = LimitArgs.of(Limits(requests_per_minute=10))
     w = windows_at(1_800_000_010.0)
     try:
-        assert (await ledger.charge("k", limits, 0, w)).requests == 1
+        assert (await ledger.charge("k", limits, 0, w)).key.requests == 1
         # Only the ledger's own connections (by their name): Redis is shared.
         ours = [c for c in await admin.client_list() if c.get("name") == name]
         assert ours
@@ -419,7 +419,7 @@ async def test_charges_reconnect_after_redis_drops_the_connection(redis_prefix: 
         for _ in range(3):  # a charge sent as the connection went is unmetered, no more
             now[0] += 10  # past the outage back-off
             try:
-                outcomes.append((await ledger.charge("k", limits, 0, w)).requests)
+                outcomes.append((await ledger.charge("k", limits, 0, w)).key.requests)
                 break
             except LedgerUnavailable:
                 outcomes.append("unavailable")
@@ -500,11 +500,11 @@ async def test_a_charge_whose_reply_was_lost_is_resent_and_counted_once(
     w = windows_at(1_800_000_010.0)
     try:
         first = await ledger.charge("k", limits, 0, w)
-        assert (first.denied, first.requests, ledger.errors) == (None, 1, 0)
+        assert (first.denied, first.key.requests, ledger.errors) == (None, 1, 0)
         assert relay.lost and relay.evalshas == 2  # sent, reply lost, sent again
         assert await direct.get(ledger.key("k", "rpm", w.minute)) == b"1"
         second = await ledger.charge("k", limits, 0, w)
-        assert (second.denied, second.requests) == (None, 2)
+        assert (second.denied, second.key.requests) == (None, 2)
         assert (await ledger.charge("k", limits, 0, w)).denied == "requests"
     finally:
         relay.close()
@@ -527,9 +527,9 @@ async def test_a_charge_resent_with_the_same_id_is_counted_once(
     try:
         first = await ledger.charge("k", limits, 300, w, charge_id="a" * 32)
         again = await ledger.charge("k", limits, 300, w, charge_id="a" * 32)
-        assert first[:6] == again[:6] == (None, 1, 0, 300, 0, 0)
+        assert (first.denied, *first.key) == (again.denied, *again.key) == (None, 1, 0, 300, 0, 0)
         other = await ledger.charge("k", limits, 300, w, charge_id="b" * 32)
-        assert other[:6] == (None, 2, 0, 600, 0, 0)
+        assert (other.denied, *other.key) == (None, 2, 0, 600, 0, 0)
         denied = await ledger.charge("k", limits, 300, w, charge_id="c" * 32)
         assert denied.denied == "requests"
         # A refusal resent is the same refusal, and still counts nothing.
@@ -578,15 +578,16 @@ async def test_reply_quota_headers_are_the_429s_under_the_compaction_names(
     for tokens in (0, 7, 60, 0, 0):
         verdict = await quotas.charge(key, tokens)
         if verdict.refusal is not None:
-            refused = rate_limit_headers(limits, seen[-1], w)
+            refused = rate_limit_headers(limits, seen[-1].key, w)
             assert refused.items() <= verdict.refusal.headers.items()
             continue
-        expected = rate_limit_headers(limits, seen[-1], w)
+        expected = rate_limit_headers(limits, seen[-1].key, w)
         assert verdict.headers == {
             f"x-compaction-{name[2:]}": value for name, value in expected.items()
         }
     # A key over its limits (they were lowered by a reload): nothing negative is shown.
-    over = (await ledger.charge("k", LimitArgs.of(Limits()), 10**6, w))._replace(requests=10**6)
+    counted = (await ledger.charge("k", LimitArgs.of(Limits()), 10**6, w)).key
+    over = counted._replace(requests=10**6)
     shown = rate_limit_headers(limits, over, w)
     assert all(not value.startswith("-") for value in shown.values())
     assert shown.get("x-ratelimit-remaining-requests", "0") == "0"
@@ -621,7 +622,7 @@ async def test_reply_quota_headers_stay_exact_as_the_clock_moves_through_seconds
     for at in times:
         now = at
         verdict = await quotas.charge(key, 7)
-        expected = rate_limit_headers(limits, seen[-1], windows_at(at))
+        expected = rate_limit_headers(limits, seen[-1].key, windows_at(at))
         assert verdict.headers == {
             f"x-compaction-{name[2:]}": value for name, value in expected.items()
         }, at
@@ -629,11 +630,11 @@ async def test_reply_quota_headers_stay_exact_as_the_clock_moves_through_seconds
 
 def test_the_charge_scripts_result_reads_as_a_charge() -> None:
     """The script's result is one string: a JSON array, the denial then the counters."""
-    from proxy.quota.ledger import Charge
+    from proxy.quota.ledger import Charge, Counters
     from proxy.quota.redis import _charge_of
 
-    assert _charge_of(b'["",1,20,20,0,-5]') == Charge(None, 1, 20, 20, 0, -5)
-    assert _charge_of('["tokens_day",3,0,9,0,0]') == Charge("tokens_day", 3, 0, 9, 0, 0)
+    assert _charge_of(b'["",1,20,20,0,-5]') == Charge(None, Counters(1, 20, 20, 0, -5))
+    assert _charge_of('["tokens_day",3,0,9,0,0]') == Charge("tokens_day", Counters(3, 0, 9, 0, 0))
 
 
 async def test_counters_expire_from_the_charge_that_creates_them(redis_prefix: str) -> None:
@@ -650,10 +651,12 @@ async def test_counters_expire_from_the_charge_that_creates_them(redis_prefix: s
     limits = LimitArgs.of(policy)
     w = windows_at(1_800_000_010.0)
     try:
-        assert (await ledger.charge("k", limits, 0, w)).requests == 1
+        assert (await ledger.charge("k", limits, 0, w)).key.requests == 1
         assert await client.exists(ledger.key("k", "tpm", w.minute)) == 0
-        assert (await ledger.charge("k", limits, 4, w))[:4] == (None, 2, 4, 4)
-        assert (await ledger.charge("k", limits, 5, w))[:4] == (None, 3, 9, 9)
+        charge = await ledger.charge("k", limits, 4, w)
+        assert (charge.denied, *charge.key[:3]) == (None, 2, 4, 4)
+        charge = await ledger.charge("k", limits, 5, w)
+        assert (charge.denied, *charge.key[:3]) == (None, 3, 9, 9)
         assert (await ledger.charge("k", limits, 5, w)).denied == "tokens_day"  # 9 + 5 > 10
         for part, ttl in (("rpm", _MINUTE_TTL_S), ("tpm", _MINUTE_TTL_S), ("tpd", _DAY_TTL_S)):
             window = w.day if part == "tpd" else w.minute
@@ -704,7 +707,7 @@ async def test_a_memory_verdict_is_a_value_counted_or_refused() -> None:
     unlimited = await quotas.charge(ProxyKey("free", b""), 5)
     assert (unlimited.counted, unlimited.headers, unlimited.refusal) == (False, {}, None)
     after = await ledger.charge("k", LimitArgs.of(key.limits), 0, windows_at(now))
-    assert (after.denied, after.requests) == ("requests", 2)
+    assert (after.denied, after.key.requests) == ("requests", 2)
 
 
 class _HeldLedger:
@@ -736,7 +739,7 @@ async def test_a_remote_charge_given_up_on_its_way_settles_and_says_how(
     way: the charge goes on, and `given_up` is told whether it counted the request, once."""
     from proxy.auth.keys import Limits, ProxyKey
     from proxy.quota import LedgerUnavailable, Quotas
-    from proxy.quota.ledger import Charge
+    from proxy.quota.ledger import Charge, Counters
 
     ledger = _HeldLedger()
     quotas = Quotas(ledger)  # type: ignore[arg-type]
@@ -755,14 +758,14 @@ async def test_a_remote_charge_given_up_on_its_way_settles_and_says_how(
         await waiting
     assert told == []  # not decided yet
     reply = {
-        "allowed": Charge(None, 1),
-        "refused": Charge("requests", 1),
+        "allowed": Charge(None, Counters(requests=1)),
+        "refused": Charge("requests", Counters(requests=1)),
         "unavailable": LedgerUnavailable("down"),
     }[answer]
     ledger.answers.put_nowait(reply)
     await settled.wait()
     assert told == [counted]
     # Answered in time, the same charge is the caller's verdict, and nobody else is told.
-    ledger.answers.put_nowait(Charge(None, 1))
+    ledger.answers.put_nowait(Charge(None, Counters(requests=1)))
     verdict = await quotas.charge(key, 0, given_up=given_up)
     assert verdict.counted and told == [counted]
